@@ -1,0 +1,50 @@
+"""Shared fixtures: the ../shared test assets (skip when absent) and a CUDA device (skip without one)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+# ../shared beside the checkout; TINYINFER_SHARED overrides it (the GPU machine carries a copy inside the repo).
+SHARED = Path(os.environ.get("TINYINFER_SHARED", REPO.parent / "shared"))
+
+
+@pytest.fixture(scope="session")
+def shared_assets() -> Path:
+    assets = SHARED / "assets"
+    if not assets.is_dir():
+        pytest.skip(f"test assets not found at {assets}")
+    return assets
+
+
+def cuda_available() -> bool:
+    try:
+        import cupy
+    except ImportError:
+        return False
+    try:
+        return bool(cupy.is_available())
+    except Exception:
+        return False
+
+
+@pytest.fixture(scope="session")
+def cupy_gpu():
+    if not cuda_available():
+        pytest.skip("needs an NVIDIA GPU and CuPy")
+    import cupy
+
+    return cupy
+
+
+def pytest_collection_modifyitems(config, items):
+    """Skip every @pytest.mark.gpu test when no GPU is present, even if it forgot the fixture."""
+    if cuda_available():
+        return
+    skip = pytest.mark.skip(reason="needs an NVIDIA GPU and CuPy")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

@@ -1,0 +1,248 @@
+"""The .tinf format: encodings round-trip, the writer is atomic, and the reader rejects every corruption
+with FormatError (never another exception, never a hang)."""
+
+from __future__ import annotations
+
+import struct
+
+import msgpack
+import numpy as np
+import pytest
+
+from tinyinfer.formats import FormatError, TensorSpec, TinfWriter, encode, max_abs_error_bound, open_tinf
+from tinyinfer.formats.quant import pack_q4, unpack_q4
+from tinyinfer.formats.tinf import DATA_ALIGN, PREAMBLE
+
+SHAPES = [(1,), (7,), (64,), (3, 172), (5, 64), (2, 100), (33, 130), (4, 1)]
+META = {"config": {"architecture": "llama"}, "tokenizer": {"kind": "hf-json"}}
+
+
+def random_tensors(rng, encodings=("f32", "f16", "bf16", "q8", "q4")):
+    tensors = {}
+    for encoding in encodings:
+        for shape in SHAPES:
+            for group in ((32, 64, 128) if encoding in ("q8", "q4") else (64,)):
+                w = rng.standard_normal(shape).astype(np.float32) * rng.uniform(0.01, 3)
+                tensors[f"{encoding}.{group}.{'x'.join(map(str, shape))}"] = (w, encode(w, encoding, group))
+    return tensors
+
+
+def write(path, tensors, meta=META):
+    specs = [TensorSpec(n, t.encoding, t.shape, t.group) for n, (_, t) in tensors.items()]
+    with TinfWriter(path, meta, specs) as writer:
+        for name, (_, t) in tensors.items():
+            writer.write(name, t)
+
+
+@pytest.fixture
+def model_file(tmp_path):
+    rng = np.random.default_rng()
+    tensors = random_tensors(rng, ("f16", "q4"))
+    path = tmp_path / "m.tinf"
+    write(path, tensors)
+    return path
+
+
+@pytest.mark.parametrize("encoding", ["f32", "f16", "bf16", "q8", "q4"])
+def test_encoding_error_bounds(encoding):
+    rng = np.random.default_rng()
+    for shape in SHAPES:
+        w = rng.standard_normal(shape).astype(np.float32)
+        t = encode(w, encoding)
+        back = t.to_float32()
+        assert back.shape == w.shape and back.dtype == np.float32
+        err = np.abs(back - w)
+        if encoding == "f32":
+            assert np.array_equal(back, w)
+        elif encoding in ("f16", "bf16"):
+            rel = 2.0 ** (-11 if encoding == "f16" else -8)
+            assert np.all(err <= np.abs(w) * rel + 1e-7)
+        else:
+            bound = np.repeat(max_abs_error_bound(t), t.group, axis=1)[:, : t.cols].reshape(w.shape)
+            assert np.all(err <= bound)
+
+
+@pytest.mark.parametrize("encoding", ["q8", "q4"])
+def test_max_abs_scaling_is_within_half_a_step(encoding):
+    rng = np.random.default_rng()
+    w = rng.standard_normal((16, 200)).astype(np.float32)
+    t = encode(w, encoding, 64, scale_search=False)
+    half_step = np.repeat(t.scales.astype(np.float32), 64, axis=1)[:, :200] * 0.5
+    assert np.all(np.abs(t.to_float32() - w) <= half_step * (1 + 1e-3) + 1e-8)
+
+
+@pytest.mark.parametrize("encoding", ["q8", "q4"])
+def test_scale_search_never_worse_than_max_abs(encoding):
+    rng = np.random.default_rng()
+    w = (rng.standard_t(4, (64, 256)) * 0.02).astype(np.float32)  # heavy tails, like real weights
+    plain = encode(w, encoding, 64, scale_search=False).to_float32()
+    searched = encode(w, encoding, 64, scale_search=True).to_float32()
+    err_plain = ((plain - w) ** 2).reshape(-1, 64).sum(1)
+    err_search = ((searched - w) ** 2).reshape(-1, 64).sum(1)
+    assert np.all(err_search <= err_plain * (1 + 1e-6) + 1e-12)
+    if encoding == "q4":
+        assert err_search.sum() < 0.95 * err_plain.sum()
+
+
+def test_q4_nibble_layout_matches_spec():
+    q = np.array([[-8, 7, 0, -1, 3, -3]], dtype=np.int8)
+    packed = pack_q4(q)
+    assert packed.tolist() == [[(7 + 8) << 4 | 0, (-1 + 8) << 4 | 8, (-3 + 8) << 4 | 11]]
+    assert np.array_equal(unpack_q4(packed), q.astype(np.float32))
+
+
+def test_padding_columns_are_zero_weights():
+    rng = np.random.default_rng()
+    w = rng.standard_normal((3, 70)).astype(np.float32)
+    t = encode(w, "q4", 64)
+    assert t.cols_pad == 128 and t.data.shape == (3, 64)
+    assert np.all(unpack_q4(t.data)[:, 70:] == 0)
+    t8 = encode(w, "f16")
+    assert t8.data.shape == (3, 72) and np.all(t8.data[:, 70:] == 0)
+
+
+def test_round_trip_every_encoding(tmp_path):
+    rng = np.random.default_rng()
+    tensors = random_tensors(rng)
+    path = tmp_path / "m.tinf"
+    write(path, tensors, {**META, "chat_template": "{{ x }}", "extra_future_key": [1, 2]})
+    with open_tinf(path) as f:
+        assert f.version == (1, 0)
+        assert f.data_offset % DATA_ALIGN == 0
+        assert f.names == list(tensors)
+        for name, (w, t) in tensors.items():
+            info = f.info(name)
+            assert info.offset % 256 == 0
+            back = f.tensor(name)
+            assert back.data.ctypes.data % 16 == 0
+            assert np.array_equal(back.to_float32(), t.to_float32())
+            assert f.check(name)
+        assert f.metadata["chat_template"] == "{{ x }}"
+
+
+def test_writer_leaves_nothing_on_failure(tmp_path):
+    rng = np.random.default_rng()
+    t = encode(rng.standard_normal((4, 64)).astype(np.float32), "q4")
+    specs = [TensorSpec("a", "q4", (4, 64), 64), TensorSpec("b", "q4", (4, 64), 64)]
+    path = tmp_path / "out.tinf"
+    with pytest.raises(RuntimeError):
+        with TinfWriter(path, META, specs) as writer:
+            writer.write("a", t)
+            raise RuntimeError("interrupted")
+    with pytest.raises(ValueError):
+        with TinfWriter(path, META, specs) as writer:
+            writer.write("a", t)  # "b" never written
+    with pytest.raises(ValueError):
+        with TinfWriter(path, META, specs) as writer:
+            writer.write("b", t)  # out of order
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_crc_detects_a_flipped_data_byte(model_file):
+    with open_tinf(model_file) as f:
+        name = f.names[-1]
+        pos = f.data_offset + f.info(name).offset + 3
+    data = bytearray(model_file.read_bytes())
+    data[pos] ^= 0x10
+    model_file.write_bytes(bytes(data))
+    with open_tinf(model_file) as f:
+        assert not f.check(name)
+        assert all(f.check(n) for n in f.names if n != name)
+
+
+def rewrite_metadata(path, mutate):
+    data = path.read_bytes()
+    magic, major, minor, flags, meta_len, data_offset = PREAMBLE.unpack_from(data)
+    meta = msgpack.unpackb(data[PREAMBLE.size : PREAMBLE.size + meta_len])
+    mutate(meta)
+    blob = msgpack.packb(meta, use_bin_type=True)
+    assert PREAMBLE.size + len(blob) <= data_offset
+    head = PREAMBLE.pack(magic, major, minor, flags, len(blob), data_offset) + blob
+    path.write_bytes(head + b"\0" * (data_offset - len(head)) + data[data_offset:])
+
+
+def set_entry(key, value, index=0):
+    def mutate(meta):
+        meta["tensors"][index][key] = value
+    return mutate
+
+
+@pytest.mark.parametrize("mutate, message", [
+    (set_entry("encoding", "q3"), "unknown encoding"),
+    (set_entry("offset", 1 << 40), "past the end"),
+    (set_entry("offset", 100), "aligned"),
+    (set_entry("nbytes", 1 << 50), "claims"),
+    (set_entry("shape", [0, 4]), "invalid shape"),
+    (set_entry("shape", [2, 3, 4]), "invalid shape"),
+    (set_entry("shape", "big"), "invalid shape"),
+    (set_entry("group", 48, index=-1), "group size"),
+    (set_entry("crc32", 5), "checksum"),
+    (set_entry("name", None), "no name"),
+    (lambda m: m["tensors"].append(dict(m["tensors"][0])), "appears twice"),
+    (lambda m: m["tensors"][1].update(offset=m["tensors"][0]["offset"], name="z"), "overlap"),
+    (lambda m: m.pop("config"), "config"),
+    (lambda m: m.update(tensors={"a": 1}), "tensors"),
+    (lambda m: m.update(chat_template=7), "chat_template"),
+    (lambda m: m["tensors"].__setitem__(0, [1, 2]), "not a map"),
+])
+def test_reader_rejects_bad_directory(model_file, mutate, message):
+    rewrite_metadata(model_file, mutate)
+    with pytest.raises(FormatError, match=message):
+        open_tinf(model_file)
+
+
+def patch_preamble(path, **fields):
+    data = bytearray(path.read_bytes())
+    values = dict(zip(["magic", "major", "minor", "flags", "meta_len", "data_offset"], PREAMBLE.unpack_from(data)))
+    values.update(fields)
+    PREAMBLE.pack_into(data, 0, *values.values())
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"magic": b"GGUF\0\0\0\0"}, "not a .tinf"),
+    ({"major": 2}, "upgrade tinyinfer"),
+    ({"major": 0}, "unsupported"),
+    ({"flags": 1}, "unsupported"),
+    ({"meta_len": 1 << 40}, "exceeds"),
+    ({"meta_len": 3}, "cannot be decoded"),
+    ({"data_offset": 4097}, "data offset"),
+    ({"data_offset": 1 << 50}, "data offset"),
+])
+def test_reader_rejects_bad_preamble(model_file, fields, message):
+    patch_preamble(model_file, **fields)
+    with pytest.raises(FormatError, match=message):
+        open_tinf(model_file)
+
+
+def test_reader_rejects_truncated_files(model_file):
+    data = model_file.read_bytes()
+    for cut in [0, 5, PREAMBLE.size - 1, PREAMBLE.size + 10, DATA_ALIGN - 1, len(data) // 2, len(data) - 1]:
+        model_file.write_bytes(data[:cut])
+        with pytest.raises(FormatError):
+            open_tinf(model_file)
+
+
+def test_random_header_corruption_only_raises_format_error(model_file):
+    data = model_file.read_bytes()
+    with open_tinf(model_file) as f:
+        meta_end = PREAMBLE.size + struct.unpack_from("<Q", data, 16)[0]
+    rng = np.random.default_rng()
+    for _ in range(300):
+        corrupt = bytearray(data)
+        for pos in rng.integers(0, meta_end, size=rng.integers(1, 4)):
+            corrupt[pos] = int(rng.integers(0, 256))
+        model_file.write_bytes(bytes(corrupt))
+        try:
+            with open_tinf(model_file) as f:
+                for name in f.names:
+                    f.tensor(name)
+        except FormatError:
+            pass
+
+
+def test_missing_file_and_missing_tensor(tmp_path, model_file):
+    with pytest.raises(FormatError, match="no such file"):
+        open_tinf(tmp_path / "nope.tinf")
+    with open_tinf(model_file) as f, pytest.raises(FormatError, match="missing"):
+        f.tensor("not-there")
