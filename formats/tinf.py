@@ -328,3 +328,36 @@ class TinfFile:
     def __exit__(self, *exc):
         self.close()
         return False
+
+
+# ----------------------------------------------------------------------------------------- rewriting
+
+
+def rewrite_metadata(source, out, updates: dict) -> Path:
+    """Write a copy of `source` to `out` with top-level metadata keys replaced by `updates`.
+
+    Tensor bytes are copied unchanged (their directory entries, checksums included, are kept; only the
+    data offset moves). The copy goes to a temporary file beside `out` and is renamed over it only when
+    complete, so `out` may be `source` itself and an interrupted rewrite never damages either file.
+    """
+    if "tensors" in updates:
+        raise ValueError("rewrite_metadata cannot change the tensor directory")
+    with open_tinf(source) as src:
+        metadata = {**src.metadata, **updates}
+        header, data_offset = pack_header(metadata)
+        data_size = src.file_size - src.data_offset
+        out = Path(out)
+        fd, tmp = tempfile.mkstemp(prefix=out.name + ".tmp-", dir=out.parent)
+        try:
+            with os.fdopen(fd, "wb") as dst, open(src.path, "rb") as data:
+                dst.write(header + b"\0" * (data_offset - len(header)))
+                data.seek(src.data_offset)
+                for _ in range(0, data_size, 64 << 20):
+                    dst.write(data.read(64 << 20))
+                dst.flush()
+                os.fsync(dst.fileno())
+            os.replace(tmp, out)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    return out

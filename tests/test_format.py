@@ -246,3 +246,18 @@ def test_missing_file_and_missing_tensor(tmp_path, model_file):
         open_tinf(tmp_path / "nope.tinf")
     with open_tinf(model_file) as f, pytest.raises(FormatError, match="missing"):
         f.tensor("not-there")
+
+
+def test_rewrite_metadata_keeps_tensors_and_is_atomic(model_file, tmp_path):
+    from tinyinfer.formats.tinf import rewrite_metadata
+
+    with open_tinf(model_file) as f:
+        before = {n: f.tensor(n).to_float32() for n in f.names}
+    big_entry = {"gpu|sm90|abc": {"choices": {"gemv": "x" * 9000}}}  # pushes the data offset to the next page
+    rewrite_metadata(model_file, model_file, {"autotune": big_entry})
+    with open_tinf(model_file) as f:
+        assert f.metadata["autotune"] == big_entry
+        assert all(np.array_equal(f.tensor(n).to_float32(), before[n]) and f.check(n) for n in f.names)
+    with pytest.raises(ValueError):
+        rewrite_metadata(model_file, tmp_path / "x.tinf", {"tensors": []})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.tinf"]
