@@ -1,0 +1,240 @@
+"""load() and Model: a .tinf file, a backend that runs it, and the tokenizer/chat/sampling around it."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+
+from tinyinfer.formats import FormatError, open_tinf
+from tinyinfer.runtime.chat import encode_chat
+from tinyinfer.runtime.errors import ContextOverflowError, DeviceError, LoadError
+from tinyinfer.runtime.sampling import SamplingParams
+from tinyinfer.runtime.tokenizer import Tokenizer
+
+DEFAULT_MAX_TOKENS = 256
+NO_GPU = ("No CUDA GPU is available; install tinyinfer[cuda12] or [cuda13] on a machine with an "
+          "NVIDIA GPU, or run with --device cpu.")
+
+
+def load(path, device: str = "auto", verbose: bool = False, max_context: int | None = None) -> "Model":
+    """Memory-map and validate a .tinf file and pick a backend: "cuda", "cpu", or "auto" (CUDA if usable)."""
+    path = Path(path).expanduser()
+    if path.is_dir():
+        raise LoadError(f"{path} is a folder; pass a .tinf file (convert a checkpoint folder with tinyconvert).")
+    tinf = open_tinf(path)
+    check_model(tinf)
+    tokenizer = Tokenizer.from_metadata(tinf.metadata["tokenizer"])
+    backend = make_backend(tinf, device, verbose, max_context)
+    return Model(tinf, backend, tokenizer)
+
+
+def expected_shapes(c: dict) -> dict[str, tuple]:
+    q_rows = (c["n_heads"] + 2 * c["n_kv_heads"]) * c["head_dim"]
+    shapes = {"tok_embeddings": (c["vocab_size"], c["dim"]), "norm": (c["dim"],),
+              "output": (c["vocab_size"], c["dim"])}
+    for i in range(c["n_layers"]):
+        shapes.update({
+            f"layers.{i}.attn_norm": (c["dim"],), f"layers.{i}.wqkv": (q_rows, c["dim"]),
+            f"layers.{i}.wo": (c["dim"], c["n_heads"] * c["head_dim"]), f"layers.{i}.ffn_norm": (c["dim"],),
+            f"layers.{i}.w_gate_up": (2 * c["ffn_dim"], c["dim"]), f"layers.{i}.w_down": (c["dim"], c["ffn_dim"]),
+        })
+    return shapes
+
+
+def check_model(tinf) -> None:
+    """The config describes a Llama model this runtime can run, and every tensor has the shape it implies."""
+    c = tinf.config
+    keys = ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim", "vocab_size", "max_context")
+    if c.get("architecture") != "llama" or not all(isinstance(c.get(k), int) and c[k] > 0 for k in keys):
+        raise FormatError(f"{tinf.path}: the config is not a complete Llama config; convert the model again.")
+    if c["n_heads"] % c["n_kv_heads"] or c["head_dim"] % 2:
+        raise FormatError(f"{tinf.path}: n_heads must be a multiple of n_kv_heads and head_dim even; "
+                          "convert the model again.")
+    for name, shape in expected_shapes(c).items():
+        if tinf.info(name).shape != shape:
+            raise FormatError(f"{tinf.path}: tensor {name!r} has shape {list(tinf.info(name).shape)}, "
+                              f"the config implies {list(shape)}; convert the model again.")
+
+
+def cuda_backend_class():
+    """(CudaBackend, None) when a GPU and the CUDA backend are usable, else (None, why not)."""
+    try:
+        import cupy
+    except Exception:   # not installed, or a broken CUDA installation
+        return None, NO_GPU
+    try:
+        if not cupy.is_available():
+            return None, NO_GPU
+    except Exception:
+        return None, NO_GPU
+    try:
+        from tinyinfer.runtime.cuda_backend import CudaBackend
+    except ImportError as e:
+        return None, f"The CUDA backend cannot be imported ({e}); reinstall tinyinfer or run with --device cpu."
+    return CudaBackend, None
+
+
+def make_backend(tinf, device: str, verbose: bool, max_context: int | None):
+    if device not in ("auto", "cpu", "cuda"):
+        raise DeviceError(f"Unknown device {device!r}; use auto, cpu or cuda.")
+    if device in ("auto", "cuda"):
+        cuda_class, why_not = cuda_backend_class()
+        if cuda_class is not None:
+            return cuda_class(tinf, verbose=verbose, max_context=max_context)
+        if device == "cuda":
+            raise DeviceError(why_not)
+    from tinyinfer.runtime.numpy_backend import NumpyBackend
+
+    return NumpyBackend(tinf, verbose=verbose, max_context=max_context)
+
+
+class StopStrings:
+    """Holds back text that could be the start of a stop string, so a stop string is never emitted."""
+
+    def __init__(self, stops):
+        self.stops = [s for s in (stops or ()) if s]
+        self.pending = ""
+
+    def push(self, text: str) -> tuple[str, bool]:
+        """Add text; return (text safe to emit, whether a stop string was found)."""
+        self.pending += text
+        found = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
+        if found:
+            out, self.pending = self.pending[: min(found)], ""
+            return out, True
+        hold = max((k for s in self.stops for k in range(1, len(s)) if self.pending.endswith(s[:k])), default=0)
+        cut = len(self.pending) - hold
+        out, self.pending = self.pending[:cut], self.pending[cut:]
+        return out, False
+
+    def flush(self) -> str:
+        out, self.pending = self.pending, ""
+        return out
+
+
+class Model:
+    def __init__(self, tinf, backend, tokenizer: Tokenizer):
+        self.tinf = tinf
+        self.backend = backend
+        self.tokenizer = tokenizer
+        self.config = tinf.config
+        self.metadata = tinf.metadata
+        self.chat_template = tinf.metadata.get("chat_template")
+        self.max_context = backend.max_context
+        self.last_stats: dict = {}
+
+    # ------------------------------------------------------------------------------ scoring
+
+    def logits(self, token_ids) -> np.ndarray:
+        """float32 logits [len(token_ids), vocab] for the ids, computed from an empty cache."""
+        ids = np.asarray(token_ids, dtype=np.int64).ravel()
+        self.check_ids(ids)
+        if ids.size > self.max_context:
+            raise ContextOverflowError(f"{ids.size} tokens exceed the model's context of {self.max_context}; "
+                                       "score a shorter sequence.")
+        self.backend.reset()
+        return self.backend.forward(ids, 0)
+
+    def check_ids(self, ids: np.ndarray) -> None:
+        if ids.size == 0:
+            raise ValueError("token_ids is empty; pass at least one token id.")
+        if ids.min() < 0 or ids.max() >= self.config["vocab_size"]:
+            raise ValueError(f"token ids must be in [0, {self.config['vocab_size']}).")
+
+    # ---------------------------------------------------------------------------- generation
+
+    def prompt_ids(self, prompt, chat: bool | None = None, system: str | None = None, **template_kwargs):
+        """Token ids for a plain prompt (BOS + text) or a conversation (the chat template)."""
+        if chat is None:
+            chat = not isinstance(prompt, str)
+        if not chat:
+            if not isinstance(prompt, str):
+                raise TypeError("a plain prompt must be a string; pass chat=True for a list of messages.")
+            return self.tokenizer.encode(prompt)
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+        if system is not None:
+            messages = [{"role": "system", "content": system}] + messages
+        return encode_chat(self.tokenizer, self.chat_template, messages, **template_kwargs)
+
+    def sampling_params(self, **overrides) -> SamplingParams:
+        """SamplingParams from explicit values, else the file's generation defaults (as transformers
+        reads generation_config.json: sampling settings apply only with do_sample), else greedy."""
+        gen = {k: v for k, v in (self.metadata.get("generation") or {}).items() if v is not None}
+        defaults = {"repetition_penalty": gen.get("repetition_penalty", 1.0)}
+        if gen.get("do_sample"):
+            defaults.update(temperature=gen.get("temperature", 1.0), top_k=gen.get("top_k", 50),
+                            top_p=gen.get("top_p", 1.0), min_p=gen.get("min_p", 0.0))
+        defaults.update({k: v for k, v in overrides.items() if v is not None})
+        return SamplingParams(**defaults)
+
+    def new_token_budget(self, n_prompt: int, max_tokens: int | None) -> int:
+        """max_tokens, checked against the context before any work (a default is capped to what fits)."""
+        room = self.max_context - n_prompt
+        if max_tokens is None:
+            default = (self.metadata.get("generation") or {}).get("max_new_tokens") or DEFAULT_MAX_TOKENS
+            max_tokens = max(min(default, room), 1)
+        if max_tokens < 0:
+            raise ValueError("max_tokens must be >= 0.")
+        if n_prompt + max_tokens > self.max_context:
+            raise ContextOverflowError(
+                f"The prompt ({n_prompt} tokens) plus {max_tokens} new tokens exceeds the model's context of "
+                f"{self.max_context} tokens; shorten the prompt or ask for fewer tokens.")
+        return max_tokens
+
+    def generate(self, prompt, *, chat: bool | None = None, system: str | None = None,
+                 max_tokens: int | None = None, temperature: float | None = None, top_k: int | None = None,
+                 top_p: float | None = None, min_p: float | None = None,
+                 repetition_penalty: float | None = None, seed: int | None = None, stop=None,
+                 **template_kwargs) -> Iterator[str]:
+        """Stream the continuation of a prompt (str) or a conversation (list of {"role", "content"}).
+
+        Stops at max_tokens, at any end-of-sequence id, or at a stop string (which is not emitted).
+        Errors (context overflow, bad parameters, no chat template) are raised here, before any work.
+        """
+        ids = self.prompt_ids(prompt, chat, system, **template_kwargs)
+        if not ids:
+            raise ValueError("the prompt is empty and the model has no BOS token; pass some text.")
+        params = self.sampling_params(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                                      repetition_penalty=repetition_penalty)
+        n_new = self.new_token_budget(len(ids), max_tokens)
+        return self._stream(ids, params, n_new, np.random.default_rng(seed), StopStrings(stop))
+
+    def _stream(self, ids, params, n_new, rng, stops: StopStrings) -> Iterator[str]:
+        detok = self.tokenizer.stream(prefix_ids=ids)
+        stats = self.last_stats = {"prompt_tokens": len(ids), "new_tokens": 0, "stop_reason": "max_tokens"}
+        start = time.perf_counter()
+        self.backend.reset()
+        try:
+            for token in self.backend.generate_ids(ids, 0, params, n_new, rng):
+                if stats["new_tokens"] == 0:
+                    stats["first_token_s"] = time.perf_counter() - start
+                stats["new_tokens"] += 1
+                if token in self.tokenizer.eos_ids:
+                    stats["stop_reason"] = "eos"
+                    break
+                text, stopped = stops.push(detok.step(token))
+                if text:
+                    yield text
+                if stopped:
+                    stats["stop_reason"] = "stop_string"
+                    return
+            text, stopped = stops.push(detok.flush())   # text held back for an incomplete character
+            tail = text if stopped else text + stops.flush()
+            if tail:
+                yield tail
+        finally:
+            stats["total_s"] = time.perf_counter() - start
+
+    def close(self) -> None:
+        self.backend.close()
+        self.tinf.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False

@@ -1,0 +1,142 @@
+"""model.logits against Hugging Face transformers on random tiny Llama configs.
+
+Each checkpoint is written by transformers itself (save_pretrained, safetensors) and converted with
+tinyconvert. Error is measured per position as ||ours - theirs|| / ||theirs||, over 64 positions.
+- f16 file vs the original float32 transformers model: <= 1e-3 (this includes rounding the weights to
+  fp16) and the same argmax at every position.
+- f16/q8/q4 file vs a transformers model holding the file's dequantized weights: the weights are then
+  identical, so only float32 arithmetic differs; measured ~7e-7, asserted <= 1e-5, same argmax.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from tinyinfer.convert import convert_checkpoint  # noqa: E402
+from tinyinfer.runtime import load  # noqa: E402
+
+N_POSITIONS = 64
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 32}
+CONFIGS = {
+    # GQA, untied, head_dim 64 set explicitly (n_heads * head_dim != hidden), llama3 rope scaling
+    "gqa-untied-hd64-llama3": dict(hidden_size=128, intermediate_size=200, num_attention_heads=4,
+                                   num_key_value_heads=2, head_dim=64, vocab_size=333, rope_theta=50000.0,
+                                   rope_scaling=LLAMA3, tie_word_embeddings=False),
+    # MHA, tied, head_dim 128
+    "mha-tied-hd128": dict(hidden_size=256, intermediate_size=300, num_attention_heads=2, num_key_value_heads=2,
+                           vocab_size=301, rope_theta=10000.0, tie_word_embeddings=True),
+    # GQA 3:1, tied, head_dim 64, large theta
+    "gqa-tied-hd64": dict(hidden_size=192, intermediate_size=500, num_attention_heads=3, num_key_value_heads=1,
+                          vocab_size=300, rope_theta=500000.0, tie_word_embeddings=True),
+    # MHA, untied, head_dim 64, linear rope scaling
+    "mha-untied-hd64-linear": dict(hidden_size=128, intermediate_size=129, num_attention_heads=2,
+                                   num_key_value_heads=2, vocab_size=290, rope_theta=20000.0,
+                                   rope_scaling={"rope_type": "linear", "factor": 2.0}, tie_word_embeddings=False),
+}
+
+
+@pytest.fixture(scope="module")
+def tokenizer_json():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=280, special_tokens=["<s>", "</s>"], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(["the quick brown fox jumps over the lazy dog"] * 3, trainer)
+    return tok.to_str()
+
+
+def random_llama(name: str, seed: int):
+    """A float32 LlamaForCausalLM with weights large enough to give well-separated logits."""
+    config = transformers.LlamaConfig(num_hidden_layers=2, max_position_embeddings=256, rms_norm_eps=1e-5,
+                                      bos_token_id=0, eos_token_id=1, **CONFIGS[name])
+    torch.manual_seed(seed)
+    model = transformers.LlamaForCausalLM(config).float().eval()
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if pname.endswith("norm.weight"):
+                p.copy_(1 + 0.2 * torch.randn_like(p))
+            else:
+                p.copy_(torch.randn_like(p) / (1.0 if "embed" in pname else p.shape[1] ** 0.5))
+    return model
+
+
+def transformers_logits(model, ids) -> np.ndarray:
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].float().numpy()
+
+
+def dequantized_reference(hf_model, tinf):
+    """The transformers model again, holding the weights exactly as the .tinf file stores them."""
+    c = tinf.config
+    config = hf_model.config.to_dict()
+    config["tie_word_embeddings"] = False        # the file's output matrix is quantized on its own
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config)).float().eval()
+    w = lambda name: torch.from_numpy(tinf.tensor(name).to_float32().copy())
+    q, kv = c["n_heads"] * c["head_dim"], c["n_kv_heads"] * c["head_dim"]
+    state = {"model.embed_tokens.weight": w("tok_embeddings"), "model.norm.weight": w("norm"),
+             "lm_head.weight": w("output")}
+    for i in range(c["n_layers"]):
+        p = f"model.layers.{i}."
+        wqkv, gate_up = w(f"layers.{i}.wqkv"), w(f"layers.{i}.w_gate_up")
+        state.update({
+            p + "self_attn.q_proj.weight": wqkv[:q], p + "self_attn.k_proj.weight": wqkv[q:q + kv],
+            p + "self_attn.v_proj.weight": wqkv[q + kv:], p + "self_attn.o_proj.weight": w(f"layers.{i}.wo"),
+            p + "mlp.gate_proj.weight": gate_up[:c["ffn_dim"]], p + "mlp.up_proj.weight": gate_up[c["ffn_dim"]:],
+            p + "mlp.down_proj.weight": w(f"layers.{i}.w_down"),
+            p + "input_layernorm.weight": w(f"layers.{i}.attn_norm"),
+            p + "post_attention_layernorm.weight": w(f"layers.{i}.ffn_norm"),
+        })
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    assert not unexpected and all("rotary" in m for m in missing), (missing, unexpected)
+    return model
+
+
+def relative_errors(ours: np.ndarray, theirs: np.ndarray) -> np.ndarray:
+    return np.linalg.norm(ours - theirs, axis=-1) / np.linalg.norm(theirs, axis=-1)
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def checkpoint(request, tmp_path_factory, tokenizer_json):
+    name = request.param
+    folder = tmp_path_factory.mktemp(name)
+    model = random_llama(name, seed=len(name))
+    model.save_pretrained(folder, safe_serialization=True)
+    (folder / "tokenizer.json").write_text(tokenizer_json)
+    (folder / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
+    ids = np.random.default_rng(1).integers(0, model.config.vocab_size, N_POSITIONS).tolist()
+    return name, folder, model, ids
+
+
+def test_f16_matches_the_original_float32_model(checkpoint, tmp_path):
+    name, folder, hf_model, ids = checkpoint
+    path = convert_checkpoint(folder, out=tmp_path / f"{name}-f16.tinf", quant="f16", progress=False)
+    ours, theirs = load(path, device="cpu").logits(ids), transformers_logits(hf_model, ids)
+    errors = relative_errors(ours, theirs)
+    print(f"{name} f16 vs float32 transformers: max relative error {errors.max():.2e}")
+    assert ours.shape == theirs.shape == (N_POSITIONS, hf_model.config.vocab_size)
+    assert errors.max() <= 1e-3
+    assert np.array_equal(ours.argmax(-1), theirs.argmax(-1))
+
+
+@pytest.mark.parametrize("quant", ["f16", "q8", "q4"])
+def test_logits_match_transformers_with_the_dequantized_weights(checkpoint, quant, tmp_path):
+    name, folder, hf_model, ids = checkpoint
+    path = convert_checkpoint(folder, out=tmp_path / f"{name}-{quant}.tinf", quant=quant, progress=False)
+    model = load(path, device="cpu")
+    ours, theirs = model.logits(ids), transformers_logits(dequantized_reference(hf_model, model.tinf), ids)
+    errors = relative_errors(ours, theirs)
+    print(f"{name} {quant} vs dequantized transformers: max relative error {errors.max():.2e}")
+    assert errors.max() <= 1e-5
+    assert np.array_equal(ours.argmax(-1), theirs.argmax(-1))
+    if quant == "q4":   # the q4 weights really differ: against the original model the error is large
+        assert relative_errors(ours, transformers_logits(hf_model, ids)).max() > 1e-2
