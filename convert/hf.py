@@ -1,0 +1,273 @@
+"""Hugging Face Llama-family checkpoints: config validation and mapping to the tinf config, and
+tensor lookup with Q/K/V and gate/up fused per layer.
+
+HF checkpoints already use the rotate-half RoPE row order the runtime expects, so rows are copied
+as they are.
+"""
+
+from __future__ import annotations
+
+import math
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+
+from tinyinfer.convert.errors import ConvertError
+from tinyinfer.convert.safetensors_io import SafetensorsFile
+
+SUPPORTED = ("supported are Llama 1/2/3, TinyLlama and Mistral (without sliding window) "
+             "checkpoints in safetensors")
+MODEL_TYPES = ("llama", "mistral")
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+# Buffers some old checkpoints saved; they are recomputed at run time.
+IGNORED_TENSOR = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
+
+
+def read_json(path: Path) -> dict:
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConvertError(f"cannot read {path} as JSON ({e}); fix or re-download that file.") from e
+    if not isinstance(value, dict):
+        raise ConvertError(f"{path} does not hold a JSON object; fix or re-download that file.")
+    return value
+
+
+def read_hf_config(folder: Path) -> dict:
+    path = folder / "config.json"
+    if not path.is_file():
+        raise ConvertError(f"{folder} has no config.json; point SOURCE at a Hugging Face checkpoint "
+                           f"folder, a Hub repo id or a llama2.c .bin file.")
+    return read_json(path)
+
+
+def tinf_config(hf: dict) -> dict:
+    """Validate an HF config against what the runtime supports and map it to the tinf config."""
+    refuse_unsupported(hf)
+    dim = required_int(hf, "hidden_size")
+    n_heads = required_int(hf, "num_attention_heads")
+    n_kv_heads = int(hf.get("num_key_value_heads") or n_heads)
+    head_dim = int(hf.get("head_dim") or 0) or dim // n_heads
+    if not hf.get("head_dim") and dim % n_heads:
+        refuse(f"hidden_size {dim} is not a multiple of num_attention_heads {n_heads}")
+    if n_kv_heads < 1 or n_heads % n_kv_heads:
+        refuse(f"num_attention_heads {n_heads} is not a multiple of num_key_value_heads {n_kv_heads}")
+    if head_dim % 2:
+        refuse(f"head_dim {head_dim} is odd, which RoPE cannot rotate")
+    rope = rope_parameters(hf)
+    return {
+        "architecture": "llama",
+        "dim": dim,
+        "n_layers": required_int(hf, "num_hidden_layers"),
+        "n_heads": n_heads,
+        "n_kv_heads": n_kv_heads,
+        "head_dim": head_dim,
+        "ffn_dim": required_int(hf, "intermediate_size"),
+        "vocab_size": required_int(hf, "vocab_size"),
+        "norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
+        "rope_theta": float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
+        "rope_scaling": rope_scaling(rope),
+        "max_context": required_int(hf, "max_position_embeddings"),
+        "tied_embeddings": bool(hf.get("tie_word_embeddings", False)),
+    }
+
+
+def refuse_unsupported(hf: dict) -> None:
+    model_type = hf.get("model_type")
+    if model_type not in MODEL_TYPES:
+        refuse(f"model_type {model_type!r} is not supported")
+    if hf.get("quantization_config"):
+        refuse("already-quantized checkpoints (quantization_config) are not supported")
+    activation = hf.get("hidden_act", hf.get("hidden_activation", "silu"))
+    if activation != "silu":
+        refuse(f"hidden_act {activation!r} is not supported (only silu is)")
+    for key in ("attention_bias", "mlp_bias"):
+        if hf.get(key):
+            refuse(f"{key}=true is not supported (bias-free projections only)")
+    window = hf.get("sliding_window")
+    if model_type == "mistral" and window is not None and window < hf.get("max_position_embeddings", 0):
+        refuse(f"sliding-window attention (sliding_window {window}) is not supported")
+
+
+def rope_parameters(hf: dict) -> dict:
+    """RoPE settings: transformers 5 keeps them in `rope_parameters`, older configs use `rope_scaling`."""
+    params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    if not isinstance(params, dict):
+        refuse(f"rope scaling {params!r} is not a map")
+    return params
+
+
+def rope_scaling(params: dict) -> dict | None:
+    """Pass llama3 and linear scaling through with `rope_type` as the key; refuse anything else."""
+    kind = params.get("rope_type", params.get("type"))
+    if kind in (None, "default"):
+        return None
+    needed = {"linear": ("factor",),
+              "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+    if kind not in needed:
+        refuse(f"rope scaling type {kind!r} is not supported (only linear and llama3 are)")
+    missing = [key for key in needed[kind] if not isinstance(params.get(key), (int, float))]
+    if missing:
+        refuse(f"{kind} rope scaling lacks {', '.join(missing)}")
+    scaling = {"rope_type": kind, **{key: float(params[key]) for key in needed[kind]}}
+    if kind == "llama3":
+        scaling["original_max_position_embeddings"] = int(params["original_max_position_embeddings"])
+    return scaling
+
+
+def required_int(hf: dict, key: str) -> int:
+    value = hf.get(key)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        refuse(f"config.json lacks a positive integer {key}")
+    return value
+
+
+def refuse(problem: str):
+    raise ConvertError(f"this checkpoint cannot be converted because {problem}; {SUPPORTED}.")
+
+
+def source_names(config: dict) -> dict[str, list[str]]:
+    """tinf tensor name -> the HF tensors concatenated (by rows) to make it."""
+    names = {"tok_embeddings": ["model.embed_tokens.weight"]}
+    for i in range(config["n_layers"]):
+        p = f"model.layers.{i}."
+        names[f"layers.{i}.attn_norm"] = [p + "input_layernorm.weight"]
+        names[f"layers.{i}.wqkv"] = [p + f"self_attn.{x}_proj.weight" for x in "qkv"]
+        names[f"layers.{i}.wo"] = [p + "self_attn.o_proj.weight"]
+        names[f"layers.{i}.ffn_norm"] = [p + "post_attention_layernorm.weight"]
+        names[f"layers.{i}.w_gate_up"] = [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]
+        names[f"layers.{i}.w_down"] = [p + "mlp.down_proj.weight"]
+    names["norm"] = ["model.norm.weight"]
+    tied = config["tied_embeddings"]
+    names["output"] = ["model.embed_tokens.weight" if tied else "lm_head.weight"]
+    return names
+
+
+def source_shapes(config: dict) -> dict[str, tuple[int, ...]]:
+    """Expected shape of every HF tensor the conversion reads."""
+    dim, hd, ffn = config["dim"], config["head_dim"], config["ffn_dim"]
+    q_rows, kv_rows = config["n_heads"] * hd, config["n_kv_heads"] * hd
+    shapes = {"model.embed_tokens.weight": (config["vocab_size"], dim), "model.norm.weight": (dim,)}
+    if not config["tied_embeddings"]:
+        shapes["lm_head.weight"] = (config["vocab_size"], dim)
+    for i in range(config["n_layers"]):
+        p = f"model.layers.{i}."
+        shapes.update({
+            p + "input_layernorm.weight": (dim,),
+            p + "post_attention_layernorm.weight": (dim,),
+            p + "self_attn.q_proj.weight": (q_rows, dim),
+            p + "self_attn.k_proj.weight": (kv_rows, dim),
+            p + "self_attn.v_proj.weight": (kv_rows, dim),
+            p + "self_attn.o_proj.weight": (dim, q_rows),
+            p + "mlp.gate_proj.weight": (ffn, dim),
+            p + "mlp.up_proj.weight": (ffn, dim),
+            p + "mlp.down_proj.weight": (dim, ffn),
+        })
+    return shapes
+
+
+def open_shards(folder: Path) -> dict[str, SafetensorsFile]:
+    """tensor name -> the shard holding it; reads the index first when there is one."""
+    index_path = folder / INDEX_FILE
+    if index_path.is_file():
+        return shards_from_index(folder, index_path)
+    single = folder / SINGLE_FILE
+    if not single.is_file():
+        raise ConvertError(f"{folder} has neither {SINGLE_FILE} nor {INDEX_FILE}; only safetensors "
+                           f"checkpoints can be converted (re-save .bin/.pt weights with safetensors).")
+    shard = SafetensorsFile(single)
+    return {name: shard for name in shard.names}
+
+
+def index_weight_map(folder: Path) -> dict[str, str]:
+    """The index's tensor -> shard file map, with every shard name checked to stay inside `folder`."""
+    index_path = folder / INDEX_FILE
+    weight_map = read_json(index_path).get("weight_map")
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise ConvertError(f"{index_path} has no weight_map of tensor name to file; re-download it.")
+    for filename in set(weight_map.values()):
+        path = (folder / filename).resolve()
+        if (folder.resolve() not in path.parents or Path(filename).is_absolute()
+                or not filename.endswith(".safetensors")):
+            raise ConvertError(f"{index_path} names shard {filename!r}, which is not a .safetensors "
+                               f"file inside {folder}; fix the index.")
+    return weight_map
+
+
+def shards_from_index(folder: Path, index_path: Path) -> dict[str, SafetensorsFile]:
+    weight_map = index_weight_map(folder)
+    for filename in sorted(set(weight_map.values())):
+        if not (folder / filename).is_file():
+            raise ConvertError(f"shard {filename} named in {index_path} is missing; download the "
+                               f"complete checkpoint.")
+    opened = {filename: SafetensorsFile(folder / filename) for filename in set(weight_map.values())}
+    for name, filename in weight_map.items():
+        if name not in opened[filename].entries:
+            raise ConvertError(f"{index_path} puts tensor {name!r} in {filename}, which does not "
+                               f"contain it; re-download the checkpoint.")
+    return {name: opened[filename] for name, filename in weight_map.items()}
+
+
+class HfCheckpoint:
+    """A validated HF checkpoint folder; `load(tinf_name)` returns one fused float32 tensor."""
+
+    def __init__(self, folder: Path):
+        self.folder = folder
+        self.hf_config = read_hf_config(folder)
+        self.config = tinf_config(self.hf_config)
+        self.shards = open_shards(folder)
+        self.sources = source_names(self.config)
+        self.check_tensors()
+
+    def check_tensors(self) -> None:
+        """Every needed tensor present with its expected shape and a float dtype; nothing unexpected."""
+        expected = source_shapes(self.config)
+        for name, shape in expected.items():
+            if name not in self.shards:
+                refuse(f"tensor {name} is missing")
+            found = self.shards[name].shape(name)
+            if found != shape:
+                refuse(f"tensor {name} has shape {list(found)} where the config implies {list(shape)}")
+            dtype = self.shards[name].dtype(name)
+            if dtype not in ("F32", "F16", "BF16"):
+                refuse(f"tensor {name} is stored as {dtype} (only F32, F16 and BF16 are read)")
+        tolerated = {"lm_head.weight"} if self.config["tied_embeddings"] else set()
+        for name in self.shards:
+            if name not in expected and name not in tolerated and not IGNORED_TENSOR.fullmatch(name):
+                what = "bias tensors" if name.endswith(".bias") else "extra tensors"
+                refuse(f"it has {what} such as {name}")
+
+    @property
+    def n_params(self) -> int:
+        return sum(math.prod(shape) for shape in source_shapes(self.config).values())
+
+    def load(self, tinf_name: str) -> np.ndarray:
+        """One tinf tensor; fused parts are read straight into their row block (no extra copy)."""
+        names = self.sources[tinf_name]
+        shapes = [self.shards[name].shape(name) for name in names]
+        fused = np.empty((sum(s[0] for s in shapes), *shapes[0][1:]), np.float32)
+        row = 0
+        for name, shape in zip(names, shapes):
+            self.shards[name].read(name, out=fused[row : row + shape[0]])
+            row += shape[0]
+        return fused
+
+
+def readme_license(folder: Path) -> str | None:
+    """The `license:` value of a model card's YAML front matter, if there is one."""
+    readme = folder / "README.md"
+    if not readme.is_file():
+        return None
+    lines = readme.read_text(encoding="utf-8", errors="replace").splitlines()
+    if not lines or lines[0].strip() != "---":
+        return None
+    for line in lines[1:]:
+        if line.strip() == "---":
+            break
+        key, _, value = line.partition(":")
+        if key.strip() == "license" and value.strip():
+            return value.strip().strip("'\"")
+    return None

@@ -1,0 +1,205 @@
+"""The conversion driver: resolve the source, validate everything, then stream tensors into a .tinf.
+
+Nothing is written until the config, tensors and tokenizer have been checked; the writer puts the
+file in place only once every tensor is in it. Tensors are read, fused, encoded and written one at
+a time, so memory stays around the size of the largest fused matrix.
+"""
+
+from __future__ import annotations
+
+import math
+import importlib.metadata
+import sys
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from tinyinfer.convert import hub
+from tinyinfer.convert.errors import ConvertError
+from tinyinfer.convert.hf import HfCheckpoint, read_hf_config, readme_license, tinf_config
+from tinyinfer.convert.llama2c import Llama2cCheckpoint
+from tinyinfer.convert.tokenizer_files import check_tokenizer, hf_tokenizer, sentencepiece_tokenizer
+from tinyinfer.formats import TensorSpec, TinfWriter, encode
+
+QUANTS = ("q4", "q8", "f16")
+GROUP_SIZES = (32, 64, 128)
+HEADS = (None, "f16")
+F16_MAX = 65504.0
+QMAX = {"q4": 7, "q8": 127}
+
+
+@dataclass
+class Source:
+    """A validated checkpoint plus everything that goes into the metadata beside the tensors."""
+
+    checkpoint: HfCheckpoint | Llama2cCheckpoint
+    tokenizer: dict
+    chat_template: str | None = None
+    generation: dict = field(default_factory=dict)
+    license: str | None = None
+    revision: str | None = None
+
+
+def convert_checkpoint(source, out=None, quant="q4", group_size=64, head=None, scale_search=True,
+                       revision=None, token=None, tokenizer=None, progress=True) -> Path:
+    """Convert a Hub repo id, a local HF folder or a llama2.c .bin to a .tinf file; returns its path."""
+    started = time.perf_counter()
+    check_options(quant, group_size, head)
+    out = Path(out) if out is not None else default_output(source, quant)
+    if out.is_dir():
+        raise ConvertError(f"output {out} is a folder; pass a file name such as {out / 'model.tinf'}.")
+    model = open_source(str(source), revision, token, tokenizer, progress)
+    specs = tensor_specs(model.checkpoint.config, quant, group_size, head)
+    metadata = build_metadata(model, str(source), quant, group_size, scale_search)
+    write_tensors(out, metadata, specs, model.checkpoint, group_size, scale_search, progress)
+    if progress:
+        print(summary(out, model.checkpoint.n_params, time.perf_counter() - started), file=sys.stderr)
+    return out
+
+
+def check_options(quant, group_size, head) -> None:
+    if quant not in QUANTS:
+        raise ConvertError(f"unknown quantization {quant!r}; choose one of {', '.join(QUANTS)}.")
+    if group_size not in GROUP_SIZES:
+        raise ConvertError(f"group size {group_size} is not supported; choose 32, 64 or 128.")
+    if head not in HEADS:
+        raise ConvertError(f"unknown head encoding {head!r}; leave it out or pass f16.")
+
+
+def default_output(source, quant: str) -> Path:
+    """<source name>-<quant>.tinf in the current folder."""
+    path = Path(source)
+    name = path.resolve().name if path.exists() else str(source).rstrip("/").split("/")[-1]
+    if path.is_file():
+        name = path.stem
+    return Path(f"{name}-{quant}.tinf")
+
+
+def open_source(source: str, revision, token, tokenizer, progress) -> Source:
+    path = Path(source).expanduser()
+    if tokenizer is not None and not path.is_file():
+        raise ConvertError("--tokenizer is only used with llama2.c .bin checkpoints; Hugging Face "
+                           "checkpoints bring their own tokenizer files.")
+    if path.is_dir() or path.is_file():
+        if revision is not None:
+            raise ConvertError(f"--revision only applies to Hub downloads but {source} is a local path; drop it.")
+        return open_hf(path) if path.is_dir() else open_llama2c(path, tokenizer)
+    if hub.looks_like_repo_id(source):
+        return open_hub(source, revision, token, progress)
+    raise ConvertError(f"{source} is neither an existing folder or .bin file nor a Hub repo id "
+                       f"(org/name); check the spelling.")
+
+
+def open_hf(folder: Path, download=None) -> Source:
+    """Validate config and tokenizer first (before any weights are fetched), then the tensors."""
+    hf_config = read_hf_config(folder)
+    config = tinf_config(hf_config)
+    tokenizer, template, generation = hf_tokenizer(folder, hf_config)
+    check_tokenizer(tokenizer, config["vocab_size"])
+    if download is not None:
+        folder = download(folder)
+    return Source(HfCheckpoint(folder), tokenizer, template, generation, readme_license(folder))
+
+
+def open_hub(repo_id: str, revision, token, progress) -> Source:
+    folder = hub.download_metadata(repo_id, revision, token, progress)
+    model = open_hf(folder, lambda f: hub.download_weights(repo_id, f, revision, token, progress))
+    model.revision = hub.commit_of(folder) or revision
+    return model
+
+
+def open_llama2c(path: Path, tokenizer) -> Source:
+    if path.suffix == ".safetensors" or path.name == "config.json":
+        raise ConvertError(f"{path} is part of a Hugging Face checkpoint; pass the folder that holds it.")
+    if tokenizer is None:
+        raise ConvertError(f"{path} is read as a llama2.c checkpoint, which needs --tokenizer PATH "
+                           f"to its sentencepiece .model file.")
+    checkpoint = Llama2cCheckpoint(path)
+    tokenizer_meta = sentencepiece_tokenizer(Path(tokenizer).expanduser())
+    check_tokenizer(tokenizer_meta, checkpoint.config["vocab_size"])
+    return Source(checkpoint, tokenizer_meta)
+
+
+def tinf_shapes(config: dict) -> dict[str, tuple[int, ...]]:
+    """Every tensor of the .tinf file, in file order, with its logical shape."""
+    dim, hd, ffn, vocab = config["dim"], config["head_dim"], config["ffn_dim"], config["vocab_size"]
+    qkv_rows = (config["n_heads"] + 2 * config["n_kv_heads"]) * hd
+    shapes = {"tok_embeddings": (vocab, dim)}
+    for i in range(config["n_layers"]):
+        shapes.update({f"layers.{i}.attn_norm": (dim,), f"layers.{i}.wqkv": (qkv_rows, dim),
+                       f"layers.{i}.wo": (dim, config["n_heads"] * hd), f"layers.{i}.ffn_norm": (dim,),
+                       f"layers.{i}.w_gate_up": (2 * ffn, dim), f"layers.{i}.w_down": (dim, ffn)})
+    shapes.update({"norm": (dim,), "output": (vocab, dim)})
+    return shapes
+
+
+def tensor_encoding(name: str, quant: str, head) -> str:
+    """Embeddings f16, norms f32, the head f16 on request, every other matrix `quant`."""
+    if name == "tok_embeddings":
+        return "f16"
+    if name.endswith("norm"):
+        return "f32"
+    if name == "output" and head == "f16":
+        return "f16"
+    return quant
+
+
+def tensor_specs(config: dict, quant: str, group_size: int, head) -> list[TensorSpec]:
+    specs = []
+    for name, shape in tinf_shapes(config).items():
+        encoding = tensor_encoding(name, quant, head)
+        specs.append(TensorSpec(name, encoding, shape, group_size if encoding in QMAX else None))
+    return specs
+
+
+def build_metadata(model: Source, source: str, quant: str, group_size: int, scale_search: bool) -> dict:
+    provenance = {
+        "source": source,
+        "revision": model.revision,
+        "converter": f"tinyinfer {importlib.metadata.version('tinyinfer')}",
+        "created": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "quant": quant,
+        "group_size": group_size,
+        "scale_search": bool(scale_search),
+        "license": model.license,
+    }
+    return {"config": model.checkpoint.config, "tokenizer": model.tokenizer,
+            "chat_template": model.chat_template, "generation": model.generation,
+            "provenance": provenance, "autotune": {}}
+
+
+def write_tensors(out: Path, metadata: dict, specs, checkpoint, group_size, scale_search, progress) -> None:
+    total = sum(math.prod(spec.shape) for spec in specs)
+    with tqdm(total=total, unit="w", unit_scale=True, desc="converting", disable=not progress) as bar:
+        with TinfWriter(out, metadata, specs) as writer:
+            for spec in specs:
+                weights = checkpoint.load(spec.name)
+                assert weights.shape == tuple(spec.shape), (spec.name, weights.shape, spec.shape)
+                check_values(spec, weights)
+                writer.write(spec.name, encode(weights, spec.encoding, group_size, scale_search))
+                bar.update(weights.size)
+                del weights
+
+
+def check_values(spec: TensorSpec, weights: np.ndarray) -> None:
+    """Refuse NaN/inf, and magnitudes a 16-bit value or a 16-bit scale cannot hold."""
+    largest = max(abs(float(weights.max())), abs(float(weights.min()))) if weights.size else 0.0
+    if not np.isfinite(largest):
+        raise ConvertError(f"tensor {spec.name} contains NaN or infinite values; the checkpoint is "
+                           f"corrupt, re-download or re-export it.")
+    limit = F16_MAX * QMAX.get(spec.encoding, 1)
+    if largest > limit:
+        fix = {"tok_embeddings": "embeddings are always stored as f16, so this checkpoint cannot be converted",
+               "output": "convert without --head f16"}.get(spec.name, "convert with --quant q8 or q4")
+        raise ConvertError(f"tensor {spec.name} has a value of magnitude {largest:.6g}, beyond the "
+                           f"{spec.encoding} range of {limit:.6g}; {fix}.")
+
+
+def summary(out: Path, n_params: int, seconds: float) -> str:
+    size = out.stat().st_size
+    return (f"wrote {out}: {n_params / 1e6:.2f}M parameters, {size / 2**20:.1f} MiB, "
+            f"{8 * size / n_params:.2f} bits/weight, {seconds:.1f} s")

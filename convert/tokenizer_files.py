@@ -1,0 +1,149 @@
+"""Tokenizer, chat template and generation defaults gathered into .tinf metadata.
+
+The tokenizer files are embedded verbatim (tokenizer.json as text, tokenizer.model as bytes) so the
+runtime needs nothing beside the .tinf file.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tinyinfer.convert.errors import ConvertError, brief
+
+SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token")
+GENERATION_KEYS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "max_new_tokens", "do_sample")
+LLAMA2C_BOS, LLAMA2C_EOS = 1, 2
+
+
+def load_json(path: Path) -> dict:
+    if not path.is_file():
+        return {}
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConvertError(f"cannot parse {path} ({e}); fix or re-download that file.") from e
+    return value if isinstance(value, dict) else {}
+
+
+def token_ids(value) -> list[int]:
+    """An id field that may be missing, one int, or a list of ints."""
+    if value is None:
+        return []
+    values = value if isinstance(value, list) else [value]
+    return [v for v in values if isinstance(v, int) and not isinstance(v, bool)]
+
+
+def token_text(value) -> str | None:
+    """A special token given as a string or as {"__type": "AddedToken", "content": ...}."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def chat_template(folder: Path, tokenizer_config: dict) -> str | None:
+    """The template from tokenizer_config (a string, or a list of named ones: "default"), else
+    chat_template.jinja, else chat_template.json."""
+    template = tokenizer_config.get("chat_template")
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    if isinstance(template, str):
+        return template
+    jinja = folder / "chat_template.jinja"
+    if jinja.is_file():
+        return jinja.read_text(encoding="utf-8")
+    template = load_json(folder / "chat_template.json").get("chat_template")
+    return template if isinstance(template, str) else None
+
+
+def special_tokens(tokenizer_config: dict, special_map: dict) -> dict[str, str]:
+    tokens = {}
+    for key in SPECIAL_TOKENS:
+        text = token_text(tokenizer_config.get(key)) or token_text(special_map.get(key))
+        if text is not None:
+            tokens[key] = text
+    return tokens
+
+
+def hf_tokenizer(folder: Path, hf_config: dict) -> tuple[dict, str | None, dict]:
+    """(tokenizer metadata, chat template, generation defaults) for a Hugging Face checkpoint folder."""
+    json_path, model_path = folder / "tokenizer.json", folder / "tokenizer.model"
+    if not json_path.is_file() and not model_path.is_file():
+        raise ConvertError(f"{folder} has neither tokenizer.json nor tokenizer.model; add the model's "
+                           f"tokenizer files to the folder.")
+    tokenizer_config = load_json(folder / "tokenizer_config.json")
+    generation_config = load_json(folder / "generation_config.json")
+    eos_ids = token_ids(hf_config.get("eos_token_id")) + token_ids(generation_config.get("eos_token_id"))
+    bos_ids = token_ids(hf_config.get("bos_token_id")) or token_ids(generation_config.get("bos_token_id"))
+    add_bos = tokenizer_config.get("add_bos_token")
+    tokenizer = {
+        "kind": "hf-json" if json_path.is_file() else "sentencepiece",
+        "tokenizer_json": json_path.read_text(encoding="utf-8") if json_path.is_file() else None,
+        "tokenizer_model": model_path.read_bytes() if model_path.is_file() else None,
+        "bos_id": bos_ids[0] if bos_ids else None,
+        "eos_ids": sorted(set(eos_ids)),
+        "add_bos": True if add_bos is None else bool(add_bos),   # Llama tokenizers add BOS by default
+        "special_tokens": special_tokens(tokenizer_config, load_json(folder / "special_tokens_map.json")),
+    }
+    if tokenizer["kind"] == "sentencepiece":
+        tokenizer["special_tokens"] = {**sentencepiece_special_tokens(tokenizer["tokenizer_model"]),
+                                       **tokenizer["special_tokens"]}
+    generation = {k: generation_config[k] for k in GENERATION_KEYS if generation_config.get(k) is not None}
+    return tokenizer, chat_template(folder, tokenizer_config), generation
+
+
+def sentencepiece_tokenizer(model_path: Path) -> dict:
+    """Tokenizer metadata for a llama2.c checkpoint: its sentencepiece model, BOS 1, EOS 2 (as run.c)."""
+    try:
+        model = model_path.read_bytes()
+    except OSError as e:
+        raise ConvertError(f"cannot read tokenizer {model_path}: {e.strerror or e}; pass the "
+                           f"checkpoint's sentencepiece .model file with --tokenizer.") from e
+    return {"kind": "sentencepiece", "tokenizer_json": None, "tokenizer_model": model,
+            "bos_id": LLAMA2C_BOS, "eos_ids": [LLAMA2C_EOS], "add_bos": True,
+            "special_tokens": sentencepiece_special_tokens(model)}
+
+
+def load_sentencepiece(model: bytes):
+    import sentencepiece
+    processor = sentencepiece.SentencePieceProcessor()
+    try:
+        processor.LoadFromSerializedProto(model)
+    except Exception as e:  # sentencepiece raises RuntimeError/OSError depending on the version
+        raise ConvertError(f"the sentencepiece tokenizer model cannot be loaded ({brief(e)}); pass the "
+                           f"checkpoint's own tokenizer.model.") from e
+    return processor
+
+
+def sentencepiece_special_tokens(model: bytes) -> dict[str, str]:
+    """bos/eos/unk/pad piece strings as the sentencepiece model defines them."""
+    processor = load_sentencepiece(model)
+    ids = {"bos_token": processor.bos_id(), "eos_token": processor.eos_id(),
+           "unk_token": processor.unk_id(), "pad_token": processor.pad_id()}
+    return {key: processor.IdToPiece(i) for key, i in ids.items() if 0 <= i < processor.GetPieceSize()}
+
+
+def tokenizer_vocab_size(tokenizer: dict) -> int:
+    """Number of ids the tokenizer can produce (added tokens included)."""
+    if tokenizer["kind"] == "hf-json":
+        from tokenizers import Tokenizer
+        try:
+            return Tokenizer.from_str(tokenizer["tokenizer_json"]).get_vocab_size(with_added_tokens=True)
+        except Exception as e:  # the tokenizers library raises plain Exception subclasses
+            raise ConvertError(f"tokenizer.json cannot be loaded ({brief(e)}); fix or re-download it.") from e
+    return load_sentencepiece(tokenizer["tokenizer_model"]).GetPieceSize()
+
+
+def check_tokenizer(tokenizer: dict, vocab_size: int) -> None:
+    """Refuse a tokenizer that can emit ids the model has no embedding for."""
+    n_tokens = tokenizer_vocab_size(tokenizer)
+    if n_tokens > vocab_size:
+        raise ConvertError(f"the tokenizer has {n_tokens} tokens but the model only {vocab_size} "
+                           f"embeddings; use the tokenizer that belongs to this checkpoint.")
+    ids = [tokenizer["bos_id"]] if tokenizer["bos_id"] is not None else []
+    bad = [i for i in ids + tokenizer["eos_ids"] if not 0 <= i < vocab_size]
+    if bad:
+        raise ConvertError(f"special token id {bad[0]} is outside the model's vocabulary of "
+                           f"{vocab_size}; fix bos/eos_token_id in config.json.")
+
