@@ -83,7 +83,7 @@ def hf_tokenizer(folder: Path, hf_config: dict) -> tuple[dict, str | None, dict]
         "tokenizer_model": model_path.read_bytes() if model_path.is_file() else None,
         "bos_id": bos_ids[0] if bos_ids else None,
         "eos_ids": sorted(set(eos_ids)),
-        "add_bos": True if add_bos is None else bool(add_bos),   # Llama tokenizers add BOS by default
+        "add_bos": bool(add_bos) if add_bos is not None else default_add_bos(json_path),
         "special_tokens": special_tokens(tokenizer_config, load_json(folder / "special_tokens_map.json")),
     }
     if tokenizer["kind"] == "sentencepiece":
@@ -93,15 +93,31 @@ def hf_tokenizer(folder: Path, hf_config: dict) -> tuple[dict, str | None, dict]
     return tokenizer, chat_template(folder, tokenizer_config), generation
 
 
+def default_add_bos(json_path: Path) -> bool:
+    """Without add_bos_token in tokenizer_config.json, do what the tokenizer itself does: tokenizer.json's
+    post-processor adds BOS when its single-sequence template starts with a special token (Llama does,
+    Qwen-style tokenizers do not); a bare sentencepiece model (Llama 1/2) adds it."""
+    if not json_path.is_file():
+        return True
+    processor = load_json(json_path).get("post_processor") or {}
+    processors = processor.get("processors", [processor]) if processor.get("type") == "Sequence" else [processor]
+    for step in processors:
+        if step.get("type") == "TemplateProcessing":
+            single = step.get("single") or []
+            return bool(single) and "SpecialToken" in single[0]
+    return False
+
+
 def sentencepiece_tokenizer(model_path: Path) -> dict:
-    """Tokenizer metadata for a llama2.c checkpoint: its sentencepiece model, BOS 1, EOS 2 (as run.c)."""
+    """Tokenizer metadata for a llama2.c checkpoint: its sentencepiece model, BOS 1, EOS 2. BOS is also
+    an end-of-sequence id: llama2.c's run.c stops when it samples BOS, the delimiter between training stories."""
     try:
         model = model_path.read_bytes()
     except OSError as e:
         raise ConvertError(f"cannot read tokenizer {model_path}: {e.strerror or e}; pass the "
                            f"checkpoint's sentencepiece .model file with --tokenizer.") from e
     return {"kind": "sentencepiece", "tokenizer_json": None, "tokenizer_model": model,
-            "bos_id": LLAMA2C_BOS, "eos_ids": [LLAMA2C_EOS], "add_bos": True,
+            "bos_id": LLAMA2C_BOS, "eos_ids": [LLAMA2C_BOS, LLAMA2C_EOS], "add_bos": True,
             "special_tokens": sentencepiece_special_tokens(model)}
 
 

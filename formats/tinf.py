@@ -158,7 +158,14 @@ class TinfWriter:
         self.file.flush()
         os.fsync(self.file.fileno())
         self.file.close()
+        os.chmod(self.tmp_path, 0o666 & ~current_umask())  # mkstemp makes it 0600; give it normal permissions
         os.replace(self.tmp_path, self.path)
+
+
+def current_umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def check_matches_spec(entry: dict, tensor: Tensor) -> None:
@@ -356,6 +363,7 @@ def rewrite_metadata(source, out, updates: dict) -> Path:
                     dst.write(data.read(64 << 20))
                 dst.flush()
                 os.fsync(dst.fileno())
+            os.chmod(tmp, os.stat(src.path).st_mode & 0o777)
             os.replace(tmp, out)
         finally:
             if os.path.exists(tmp):

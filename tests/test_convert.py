@@ -442,3 +442,23 @@ def test_hub_errors_are_one_sentence(tmp_path, monkeypatch, error, fragment):
 def test_repo_id_detection():
     assert hub.looks_like_repo_id("TinyLlama/TinyLlama-1.1B-Chat-v1.0")
     assert not hub.looks_like_repo_id("a/b/c") and not hub.looks_like_repo_id("../x")
+
+
+def test_add_bos_defaults_to_what_the_post_processor_does(tmp_path):
+    """Without add_bos_token in tokenizer_config.json, BOS is added only if tokenizer.json's template adds one."""
+    import json
+
+    from tinyinfer.convert.tokenizer_files import default_add_bos
+
+    def tokenizer_json(post_processor):
+        path = tmp_path / "tokenizer.json"
+        path.write_text(json.dumps({"post_processor": post_processor}))
+        return path
+
+    llama = {"type": "TemplateProcessing", "single": [{"SpecialToken": {"id": "<s>"}}, {"Sequence": {"id": "A"}}]}
+    qwen = {"type": "ByteLevel"}
+    assert default_add_bos(tokenizer_json(llama)) is True
+    assert default_add_bos(tokenizer_json({"type": "Sequence", "processors": [qwen, llama]})) is True
+    assert default_add_bos(tokenizer_json(qwen)) is False
+    assert default_add_bos(tokenizer_json(None)) is False
+    assert default_add_bos(tmp_path / "absent.json") is True   # bare sentencepiece model

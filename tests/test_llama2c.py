@@ -256,7 +256,7 @@ def test_stories260k_equals_hf_export(tmp_path, stories, shared_assets):
         for name in fa.names:
             assert np.array_equal(fa.raw(name), fb.raw(name)), name
         tok = fa.metadata["tokenizer"]
-        assert tok["kind"] == "sentencepiece" and (tok["bos_id"], tok["eos_ids"], tok["add_bos"]) == (1, [2], True)
+        assert tok["kind"] == "sentencepiece" and (tok["bos_id"], tok["eos_ids"], tok["add_bos"]) == (1, [1, 2], True)
         assert tok["special_tokens"] == {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
         assert fa.metadata["chat_template"] is None
 
