@@ -125,6 +125,7 @@ class Model:
         self.chat_template = tinf.metadata.get("chat_template")
         self.max_context = backend.max_context
         self.last_stats: dict = {}
+        self.cached_ids: list[int] = []   # tokens whose K/V the backend's cache holds, from position 0
 
     # ------------------------------------------------------------------------------ scoring
 
@@ -135,6 +136,7 @@ class Model:
         if ids.size > self.max_context:
             raise ContextOverflowError(f"{ids.size} tokens exceed the model's context of {self.max_context}; "
                                        "score a shorter sequence.")
+        self.cached_ids = []
         self.backend.reset()
         return self.backend.forward(ids, 0)
 
@@ -202,15 +204,33 @@ class Model:
         n_new = self.new_token_budget(len(ids), max_tokens)
         return self._stream(ids, params, n_new, np.random.default_rng(seed), StopStrings(stop))
 
+    def reusable_prefix(self, ids: list[int], params: SamplingParams) -> int:
+        """How many leading ids already have K/V in the cache (a chat's earlier turns), so only the rest
+        is prefilled. At least one id is always forwarded, for its logits. The repetition penalty looks at
+        every id in the context, which the backend sees only when it gets the whole prompt: no reuse then."""
+        if params.repetition_penalty != 1.0:
+            return 0
+        common = 0
+        for cached, new in zip(self.cached_ids, ids):
+            if cached != new:
+                break
+            common += 1
+        return min(common, len(ids) - 1)
+
     def _stream(self, ids, params, n_new, rng, stops: StopStrings) -> Iterator[str]:
         detok = self.tokenizer.stream(prefix_ids=ids)
-        stats = self.last_stats = {"prompt_tokens": len(ids), "new_tokens": 0, "stop_reason": "max_tokens"}
+        reuse = self.reusable_prefix(ids, params)
+        stats = self.last_stats = {"prompt_tokens": len(ids), "reused_tokens": reuse, "new_tokens": 0,
+                                   "stop_reason": "max_tokens"}
         start = time.perf_counter()
-        self.backend.reset()
+        if reuse == 0:
+            self.backend.reset()
+        self.cached_ids, generated = [], []
         try:
-            for token in self.backend.generate_ids(ids, 0, params, n_new, rng):
-                if stats["new_tokens"] == 0:
+            for token in self.backend.generate_ids(ids[reuse:], reuse, params, n_new, rng):
+                if not generated:
                     stats["first_token_s"] = time.perf_counter() - start
+                generated.append(token)
                 stats["new_tokens"] += 1
                 if token in self.tokenizer.eos_ids:
                     stats["stop_reason"] = "eos"
@@ -225,8 +245,15 @@ class Model:
             tail = text if stopped else text + stops.flush()
             if tail:
                 yield tail
+        except GeneratorExit:     # the caller stopped reading: the cache is still consistent
+            raise
+        except BaseException:
+            generated = None     # the cache state is unknown: the next call starts from scratch
+            raise
         finally:
             stats["total_s"] = time.perf_counter() - start
+            # Every generated token but the last was fed back through the model.
+            self.cached_ids = list(ids) + generated[:-1] if generated is not None else []
 
     def close(self) -> None:
         self.backend.close()

@@ -137,7 +137,7 @@ class ScriptedBackend(Backend):
         return rows
 
     def generate_ids(self, prompt_ids, start_pos, params, max_new_tokens, rng):
-        self.prompt_len = len(prompt_ids)
+        self.prompt_len = start_pos + len(prompt_ids)   # prompt_ids may follow a reused cached prefix
         return super().generate_ids(prompt_ids, start_pos, params, max_new_tokens, rng)
 
 
@@ -216,3 +216,27 @@ def test_perplexity_is_exp_mean_nll(model):
     assert perplexity(model, text) == pytest.approx(np.exp(nll), rel=1e-9)
     long_text = "the cat sat on the mat " * 40                # longer than the 96-token context: windows
     assert np.isfinite(perplexity(model, long_text))
+
+
+def test_chat_turns_reuse_the_kv_cache(random_model_path, model, monkeypatch):
+    """A second turn prefills only what follows the cached prefix, and gives what a fresh model gives."""
+    forwarded = []
+    real_forward = model.backend.forward
+    monkeypatch.setattr(model.backend, "forward",
+                        lambda ids, start: forwarded.append((start, len(ids))) or real_forward(ids, start))
+    conversation = [{"role": "user", "content": "hello there"}]
+    reply = "".join(model.generate(conversation, max_tokens=6))
+    first_prompt = model.last_stats["prompt_tokens"]
+    conversation += [{"role": "assistant", "content": reply}, {"role": "user", "content": "and then?"}]
+    forwarded.clear()
+    second = "".join(model.generate(conversation, max_tokens=6))
+    reused = model.last_stats["reused_tokens"]
+    assert reused >= first_prompt > 0
+    assert forwarded[0][0] == reused and sum(n for _, n in forwarded) <= model.last_stats["prompt_tokens"] - reused + 6
+
+    fresh = load(random_model_path, device="cpu")
+    assert "".join(fresh.generate(conversation, max_tokens=6)) == second
+    assert fresh.last_stats["reused_tokens"] == 0
+    model.logits([1, 2, 3])                       # scoring empties the cache: nothing is reused after it
+    "".join(model.generate(conversation, max_tokens=2))
+    assert model.last_stats["reused_tokens"] == 0
