@@ -11,11 +11,15 @@ import click
 
 from tinyinfer.formats import TinyInferError
 from tinyinfer.runtime.errors import ChatTemplateError, ContextOverflowError, LoadError
+from tinyinfer.runtime.hub_commands import push_command, tune_command
 
 
-def resolve_model(ref: str) -> Path:
-    """The one place that turns a MODEL argument into a local .tinf path."""
-    path = Path(ref).expanduser()
+def resolve_model(ref: str, token: str | None = None) -> Path:
+    """The one place that turns a MODEL argument into a local .tinf path (Hub references are downloaded
+    into the Hugging Face cache: ORG/REPO, ORG/REPO/FILE.tinf, hf://ORG/REPO/FILE.tinf@REV; see HUB.md)."""
+    from tinyinfer.runtime.hub import resolve_model as resolve_reference
+
+    path = resolve_reference(ref, token=token)
     if not path.exists():
         raise LoadError(f"No model file at {ref}; pass the path of a .tinf file (tinyconvert makes one).")
     return path
@@ -48,15 +52,18 @@ def missing_tool(module: str) -> TinyInferError:
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="With --bench: write results to this file.")
 @click.option("--verify", type=click.IntRange(min=1), metavar="N",
               help="Compare N decode steps of the GPU against the NumPy reference and exit.")
+@click.option("--token", help="Hugging Face token, for a MODEL in a private or gated Hub repo.")
 def run_command(model, prompt, chat, system, max_tokens, temperature, top_k, top_p, min_p, repeat_penalty,
-                seed, stop, device, quiet, verbose, bench, json_path, verify):
+                seed, stop, device, quiet, verbose, bench, json_path, verify, token):
     """Stream the continuation of --prompt (or of stdin), or chat interactively when no prompt is given
     on a terminal.
 
     \b
-    Also:  tinyrun info MODEL   describe a .tinf file
+    Also:  tinyrun info MODEL   describe a .tinf file (--check: verify every tensor)
+           tinyrun push FILE ORG/REPO   publish a .tinf file on the Hugging Face Hub
+           tinyrun tune MODEL   store this GPU's autotune choices in the file
     """
-    path = resolve_model(model)
+    path = resolve_model(model, token)
     if verify:
         return verify_model(path, verify)
     from tinyinfer.runtime import load
@@ -146,14 +153,21 @@ def verify_model(path, n_steps):
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("model")
 @click.option("--tensors", is_flag=True, help="List every tensor instead of one line per kind.")
-def info_command(model, tensors):
+@click.option("--check", is_flag=True, help="Also verify every tensor's checksum (reads the whole file).")
+@click.option("--token", help="Hugging Face token, for a MODEL in a private or gated Hub repo.")
+def info_command(model, tensors, check, token):
     """Describe a .tinf file: config, tensors, bits per weight, tokenizer, chat template, provenance."""
     from tinyinfer.formats import open_tinf
     from tinyinfer.runtime.model import check_model
 
-    with open_tinf(resolve_model(model)) as f:
+    path = resolve_model(model, token)
+    with open_tinf(path) as f:
         check_model(f)
         click.echo(describe(f, per_tensor=tensors))
+    if check:
+        from tinyinfer.runtime.integrity import check_file
+
+        click.echo(f"checked {check_file(path)} tensors: every checksum matches")
 
 
 def describe(f, per_tensor: bool = False) -> str:
@@ -204,7 +218,7 @@ def group_tensors(infos, per_tensor: bool) -> dict:
 
 # ------------------------------------------------------------------------------------------ entry point
 
-SUBCOMMANDS = {"info": info_command}
+SUBCOMMANDS = {"info": info_command, "push": push_command, "tune": tune_command}
 
 
 def main(argv=None) -> None:
