@@ -169,8 +169,8 @@ def test_only_known_gemv_configurations_are_accepted():
     from tinyinfer.kernels import gemv
 
     roles = ["wqkv", "wo"]
-    good = {"wqkv": {"row_tiles": 2, "warps": 4}, "wo": {"row_tiles": 4, "warps": 8}}
-    assert tune_in_file.gemv_configs(good, roles) == {"wqkv": gemv.GemvConfig(2, 4), "wo": gemv.GemvConfig(4, 8)}
+    good = {"wqkv": {"row_tiles": 2, "warps": 4}, "wo": {"row_tiles": 1, "warps": 8}}
+    assert tune_in_file.gemv_configs(good, roles) == {"wqkv": gemv.GemvConfig(2, 4), "wo": gemv.GemvConfig(1, 8)}
     for bad in ({"wqkv": good["wqkv"]},                                      # a role missing
                 dict(good, wo={"row_tiles": 3, "warps": 8}),                 # not a candidate
                 dict(good, wqkv="2x4"),                                      # not a map

@@ -1,0 +1,80 @@
+"""Launching the decode attention kernel of attention.cu, and its NumPy reference."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from tinyinfer.kernels.build import Launch, module
+
+TILE = 32
+MAX_HEAD_DIM = 256
+MAX_WARPS = 8
+SPLIT_WARPS = 4
+
+
+def use_tile(n_heads: int, n_kv_heads: int) -> bool:
+    """Shared-memory tiles pay only when several query heads share a K/V head."""
+    return n_heads // n_kv_heads > 1
+
+
+def n_slices(n_kv_heads: int, max_context: int, n_sms: int) -> int:
+    """Grid width over the context: about two blocks per SM at full context, at most one per tile."""
+    tiles = -(-max_context // TILE)
+    return max(1, min(tiles, -(-2 * n_sms // n_kv_heads)))
+
+
+def warps_for(n_heads: int, n_kv_heads: int, tile: bool) -> int:
+    """Tiled: one warp per head of the group (up to 8). Split: 4 warps taking tiles."""
+    return min(n_heads // n_kv_heads, MAX_WARPS) if tile else SPLIT_WARPS
+
+
+def shared_bytes(n_heads: int, n_kv_heads: int, head_dim: int, slices: int, tile: bool) -> int:
+    """Mirrors the layout at the top of attention.cu."""
+    group, warps = n_heads // n_kv_heads, warps_for(n_heads, n_kv_heads, tile)
+    round4 = lambda n: (n + 3) // 4 * 4
+    floats = 2 * group * head_dim + round4(2 * group)
+    size = 4 * floats + 2 * ((2 * head_dim + 7) // 8 * 8) + 4 * round4(warps * slices)
+    if tile:
+        return size + TILE * (head_dim // 2 + 1) * 4 + TILE * head_dim * 2
+    return size + 4 * warps * group * (head_dim + 2)
+
+
+def compile_attention(compute_capability: int):
+    return module("attention.cu", ("attention<true>", "attention<false>"), compute_capability)
+
+
+def make_attention(mod, n_heads: int, n_kv_heads: int, head_dim: int, slices: int, qkv, k_cache, v_cache,
+                   state, rope_cos, rope_sin, part_o, part_ml, counters, out, tile: bool | None = None,
+                   kv_bytes: int = 0) -> Launch:
+    """One layer's attention. k_cache/v_cache: this layer's [max_context, n_kv, head_dim] fp16 views."""
+    if head_dim > MAX_HEAD_DIM or head_dim % 8:
+        raise ValueError(f"head_dim {head_dim} is not supported (a multiple of 8, at most {MAX_HEAD_DIM})")
+    tile = use_tile(n_heads, n_kv_heads) if tile is None else tile
+    kernel = mod.get_function("attention<true>" if tile else "attention<false>")
+    args = (qkv, k_cache, v_cache, state, rope_cos, rope_sin, np.int32(n_heads), np.int32(n_kv_heads),
+            np.int32(head_dim), part_o, part_ml, counters, out)
+    return Launch("attention" + ("_tile" if tile else "_split"), kernel, (n_kv_heads, slices),
+                  (32 * warps_for(n_heads, n_kv_heads, tile),), args,
+                  shared_bytes(n_heads, n_kv_heads, head_dim, slices, tile), bytes_read=kv_bytes)
+
+
+def attention_reference(qkv: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, pos: int, n_heads: int,
+                        n_kv_heads: int, head_dim: int, cos: np.ndarray, sin: np.ndarray):
+    """(out [n_heads*hd], new k row, new v row) for one token at `pos`, from runtime.reference.
+
+    k_cache/v_cache: [>pos, n_kv, hd] holding positions < pos (float32 values of the fp16 cache). The
+    new K/V rows are rounded to fp16 as the kernel stores them before reading them back.
+    """
+    from tinyinfer.runtime import reference as ref
+
+    q_size, kv_size = n_heads * head_dim, n_kv_heads * head_dim
+    positions = np.array([pos])
+    q = ref.apply_rope(qkv[None, :q_size].reshape(1, n_heads, head_dim), positions, cos, sin)
+    k = ref.apply_rope(qkv[None, q_size: q_size + kv_size].reshape(1, n_kv_heads, head_dim), positions, cos, sin)
+    v = qkv[q_size + kv_size: q_size + 2 * kv_size].reshape(n_kv_heads, head_dim)
+    k_row = k[0].astype(np.float16).astype(np.float32)
+    v_row = v.astype(np.float16).astype(np.float32)
+    keys = np.array(k_cache[: pos + 1], dtype=np.float32)
+    values = np.array(v_cache[: pos + 1], dtype=np.float32)
+    keys[pos], values[pos] = k_row, v_row
+    return ref.attention(q, keys, values, positions)[0], k_row, v_row

@@ -1,0 +1,97 @@
+"""Load the CUDA sources shipped in this package and compile them with NVRTC through CuPy.
+
+Sources are read with importlib.resources (works from a wheel and from an editable install). The
+`#include "common.cuh"` lines are inlined here so NVRTC needs no include path. Every kernel is
+compiled for the device's own architecture (CuPy's default, sm_75 and newer); Hopper gets the
+sm_90a target. CuPy caches the binaries on disk, keyed by source, options and architecture.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from functools import lru_cache
+from importlib import resources
+
+SOURCES = ("common.cuh", "gemv.cu", "attention.cu", "sampling.cu", "misc.cu", "prefill.cu")
+INCLUDE = re.compile(r'^#include "([\w.]+)"\s*$', re.MULTILINE)
+MIN_COMPUTE_CAPABILITY = 75
+
+
+def source_text(name: str) -> str:
+    return resources.files("tinyinfer.kernels").joinpath(name).read_text()
+
+
+def expanded_source(name: str) -> str:
+    """The file with its local includes inlined (each header once)."""
+    seen: set[str] = set()
+
+    def expand(match):
+        header = match.group(1)
+        if header in seen:
+            return ""
+        seen.add(header)
+        text = source_text(header).replace("#pragma once", "")
+        return INCLUDE.sub(expand, text)
+
+    return INCLUDE.sub(expand, source_text(name))
+
+
+@lru_cache(maxsize=1)
+def source_hash() -> str:
+    """Hash of every kernel source: part of the autotune cache key."""
+    digest = hashlib.sha256()
+    for name in SOURCES:
+        digest.update(name.encode() + b"\0" + source_text(name).encode())
+    return digest.hexdigest()[:16]
+
+
+def compile_options(compute_capability: int) -> tuple:
+    options = ("--std=c++17",)
+    if compute_capability == 90:
+        options += ("-arch=sm_90a",)   # Hopper's own target (checked on an H200 with CuPy 14.2)
+    return options
+
+
+@lru_cache(maxsize=None)
+def module(name: str, name_expressions: tuple = (), compute_capability: int = 0):
+    """A cupy.RawModule for one source file; templates are instantiated through name_expressions."""
+    import cupy
+
+    options = compile_options(compute_capability)
+    if name_expressions:
+        return cupy.RawModule(code=expanded_source(name), options=options,
+                              name_expressions=list(name_expressions))
+    return cupy.RawModule(code=expanded_source(name), options=options)
+
+
+def device_compute_capability() -> int:
+    import cupy
+
+    return int(cupy.cuda.Device().compute_capability)
+
+
+class Launch:
+    """One kernel launch with everything fixed: kernel, grid, block, shared memory and arguments.
+
+    Built once, replayed many times (also inside CUDA graph capture). Scalars must already be
+    NumPy scalars of the kernel's parameter type: CuPy passes Python ints as 64-bit and floats as
+    double without checking the signature.
+    """
+
+    def __init__(self, name: str, kernel, grid, block, args, shared_mem: int = 0, bytes_read: int = 0):
+        self.name = name
+        self.kernel = kernel
+        self.grid = tuple(int(g) for g in grid)
+        self.block = tuple(int(b) for b in block)
+        self.args = tuple(args)
+        self.shared_mem = int(shared_mem)
+        self.bytes_read = int(bytes_read)   # HBM bytes the launch must read (for GB/s tables)
+        if self.shared_mem > 48 * 1024:
+            kernel.max_dynamic_shared_size_bytes = self.shared_mem
+
+    def __call__(self, stream=None):
+        self.kernel(self.grid, self.block, self.args, shared_mem=self.shared_mem, stream=stream)
+
+    def __repr__(self):
+        return f"Launch({self.name}, grid={self.grid}, block={self.block}, smem={self.shared_mem})"

@@ -1,0 +1,96 @@
+// Helpers shared by every tinyinfer kernel: fp16 bit tricks, warp/block reductions, the mma wrapper.
+//
+// Kernels are compiled at run time by NVRTC (through CuPy) and in CI by nvcc; both see this file.
+// No C++ standard library headers: NVRTC does not ship them.
+#pragma once
+#include <cuda_fp16.h>
+
+typedef unsigned int u32;
+typedef unsigned long long u64;
+
+#define TI_DEVICE __device__ __forceinline__
+#define TI_INF __int_as_float(0x7f800000)   // NVRTC has no math.h, so no INFINITY
+
+TI_DEVICE __half2 as_half2(u32 bits) {
+    return *reinterpret_cast<__half2*>(&bits);
+}
+
+TI_DEVICE u32 as_u32(__half2 h) {
+    return *reinterpret_cast<u32*>(&h);
+}
+
+TI_DEVICE u32 pack_half2(float lo, float hi) {
+    return as_u32(__floats2half2_rn(lo, hi));
+}
+
+TI_DEVICE float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+TI_DEVICE float warp_max(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+// Sum over the whole block; `scratch` holds at least 32 floats. Every thread gets the total.
+TI_DEVICE float block_sum(float v, float* scratch) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = (blockDim.x + 31) >> 5;
+    v = warp_sum(v);
+    __syncthreads();                  // scratch may still be read by a previous call
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    float total = 0.f;
+    for (int w = 0; w < nwarps; ++w) total += scratch[w];
+    return total;
+}
+
+// D += A * B with A 16x16 fp16 (row-major fragments), B 16x8 fp16, D 16x8 fp32.
+// Turing has only the k8 shape, so there it is two k8 products (same fragment registers).
+TI_DEVICE void mma_16816(float (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+#else
+    asm volatile(
+        "mma.sync.aligned.m16n8k8.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(b0));
+    asm volatile(
+        "mma.sync.aligned.m16n8k8.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a2), "r"(a3), "r"(b1));
+#endif
+}
+
+// Weights are read once per token: stream them past L1.
+TI_DEVICE uint4 load_stream(const void* p) {
+    uint4 v;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p));
+    return v;
+}
+
+// Embedding tables are read as stored: f32 (0), f16 (1) or bf16 (2).
+#define EMB_F32 0
+#define EMB_F16 1
+#define EMB_BF16 2
+
+TI_DEVICE float embedding_value(const void* table, int encoding, size_t index) {
+    if (encoding == EMB_F16) return __half2float(reinterpret_cast<const __half*>(table)[index]);
+    if (encoding == EMB_BF16) return __uint_as_float((u32)reinterpret_cast<const unsigned short*>(table)[index] << 16);
+    return reinterpret_cast<const float*>(table)[index];
+}
+
+// Decode-step state shared by the kernels of one CUDA graph (read from device memory on every
+// replay, never baked into kernel arguments).
+#define STATE_POS 0      // position of the token being processed
+#define STATE_TOKEN 1    // token being processed (the sampler writes the next one here)
+#define STATE_STEP 2     // index into the output token array
+#define STATE_SIZE 4

@@ -1,0 +1,341 @@
+// Matrix-vector products y = W x for decode (batch 1), W stored as in the .tinf file: f16, q8 or q4
+// rows padded to `kpad` columns, with one fp16 scale per `G` columns for q8/q4.
+//
+// Work split. A row tile is 16*RT consecutive rows; the block's warps split K into chunks (warp w
+// takes chunks w, w+nwarps, ...). Per chunk a lane issues 2*NL*RT independent 16-byte loads (rows
+// g and g+8 of each 16-row tile). Blocks are persistent and walk several tiles (see gemv below).
+//
+// Arithmetic. Weights are turned into exact fp16 values with bit operations (q4: nibble | 0x6400
+// is 1024+n in fp16; q8: byte | 0x6400 is 1024+u) and multiplied on the tensor cores with
+// mma.m16n8k16 (fp32 accumulation). The input vector x is staged once per block in shared memory
+// as fp16, in the order the mma fragments want it. The mma's 8 output columns separate the
+// quantization groups: B column c holds x only for the k's of group c of the chunk, zeros
+// elsewhere, so D[row][c] is the dot product of one group, and the lane that holds it multiplies
+// by that group's scale in fp32. x is staged as two fp16 vectors, hi + lo (lo = the rounding error
+// of hi), multiplied separately: the result is as exact as with fp32 x.
+//
+// Fusions. The input stage can apply RMSNorm (x * rsqrt(mean(x^2)+eps) * w) or SwiGLU
+// (silu(gate) * up) while converting x; the epilogue stores y or adds it into a residual.
+// One thread owns each output row, so the in-place residual add is race-free.
+#include "common.cuh"
+
+#define W_F16 0
+#define W_Q8 1
+#define W_Q4 2
+
+#define IN_PLAIN 0     // x as is
+#define IN_RMSNORM 1   // rms_norm(x, aux, eps)
+#define IN_SWIGLU 2    // silu(x[:K]) * x[K:2K]
+
+#define OUT_STORE 0    // y[row] = W x
+#define OUT_ADD 1      // y[row] += W x
+
+#define NL 2           // 16-byte loads per lane per row per chunk
+
+// k values covered by one 16-byte load of a row.
+template <int WT> struct Weights;
+template <> struct Weights<W_F16> { static constexpr int KPL = 8;  static constexpr u32 ZERO = 0u; };
+template <> struct Weights<W_Q8>  { static constexpr int KPL = 16; static constexpr u32 ZERO = 0u; };
+template <> struct Weights<W_Q4>  { static constexpr int KPL = 32; static constexpr u32 ZERO = 0x88888888u; };
+
+// Staged position of column k: 8 halves of padding after every 64 keep the four lanes of a row
+// on different shared-memory banks. q4 also permutes each 8-group to (0,4,1,5,2,6,3,7), the order
+// in which the nibble trick produces half2 pairs.
+__device__ __forceinline__ int staged_index(int k) { return k + ((k >> 6) << 3); }
+
+template <int WT>
+__device__ __forceinline__ int staged_slot(int i) {    // slot of element i (0..7) within its 8-group
+    if (WT == W_Q4) return ((i & 3) << 1) | (i >> 2);
+    return i;
+}
+
+// A-fragment pair (k pair a0, k pair a2) for mma number `i` (0 .. KPL/4-1) of a 16-byte load.
+template <int WT>
+__device__ __forceinline__ void a_pair(const uint4& v, int i, u32& lo, u32& hi) {
+    const u32 w[4] = {v.x, v.y, v.z, v.w};
+    if (WT == W_F16) {
+        lo = w[2 * i];
+        hi = w[2 * i + 1];
+    } else if (WT == W_Q8) {
+        const u32 u = w[i] ^ 0x80808080u;                     // signed byte b -> unsigned b + 128
+        const __half2 bias = __half2half2(__ushort_as_half((unsigned short)0x6480));   // 1152 = 1024 + 128
+        lo = as_u32(__hsub2(as_half2(__byte_perm(u, 0x64646464u, 0x4140)), bias));
+        hi = as_u32(__hsub2(as_half2(__byte_perm(u, 0x64646464u, 0x4342)), bias));
+    } else {
+        const u32 word = (i & 1) ? (w[i >> 1] >> 8) : w[i >> 1];
+        const __half2 bias_lo = __half2half2(__ushort_as_half((unsigned short)0x6408));  // 1032
+        const __half2 sixteenth = __half2half2(__ushort_as_half((unsigned short)0x2C00)); // 1/16
+        const __half2 bias_hi = __half2half2(__ushort_as_half((unsigned short)0xD480));   // -72
+        lo = as_u32(__hsub2(as_half2((word & 0x000F000Fu) | 0x64006400u), bias_lo));
+        hi = as_u32(__hfma2(as_half2((word & 0x00F000F0u) | 0x64006400u), sixteenth, bias_hi));
+    }
+}
+
+// Convert (and normalise / gate) the input vector into fp16 shared memory. kc >= K is the staged
+// length (a whole number of chunks); columns K..kc-1 are zero. Each thread issues the global loads
+// of several 8-column groups before using any (the stage sits on every GEMV's critical path).
+#define STAGE_BATCH 2
+
+template <int IN>
+__device__ __forceinline__ float stage_value(const float* __restrict__ x, const float* __restrict__ aux, int K, int k,
+                                             float scale) {
+    if (k >= K) return 0.f;
+    if (IN == IN_PLAIN) return x[k];
+    if (IN == IN_RMSNORM) return x[k] * scale * aux[k];
+    const float gate = x[k];
+    return gate / (1.f + expf(-gate)) * x[K + k];
+}
+
+__device__ __forceinline__ void load8(const float* p, float (&v)[8]) {
+    const float4 a = *reinterpret_cast<const float4*>(p), b = *reinterpret_cast<const float4*>(p + 4);
+    v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w; v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
+}
+
+template <int WT, int IN>
+__device__ __forceinline__ void stage_input(__half* xs, __half* xs_lo, const float* __restrict__ x, const float* __restrict__ aux,
+                                            int K, int kc, float eps, float* scratch) {
+    const bool vector = (K & 7) == 0;          // whole, 16-byte aligned groups of 8 (buffers are aligned)
+    const int groups = kc >> 3, full = vector ? (K >> 3) : 0;
+    float scale = 1.f;
+    if (IN == IN_RMSNORM) {
+        float ss = 0.f;
+        if (vector) {
+            for (int b0 = threadIdx.x; b0 < full; b0 += STAGE_BATCH * blockDim.x) {
+                float v[STAGE_BATCH][8];
+#pragma unroll
+                for (int u = 0; u < STAGE_BATCH; ++u)
+                    if (b0 + u * (int)blockDim.x < full) load8(x + 8 * (b0 + u * blockDim.x), v[u]);
+#pragma unroll
+                for (int u = 0; u < STAGE_BATCH; ++u)
+                    if (b0 + u * (int)blockDim.x < full)
+#pragma unroll
+                        for (int i = 0; i < 8; ++i) ss += v[u][i] * v[u][i];
+            }
+        } else {
+            for (int k = threadIdx.x; k < K; k += blockDim.x) ss += x[k] * x[k];
+        }
+        ss = block_sum(ss, scratch);
+        scale = rsqrtf(ss / (float)K + eps);
+    }
+    for (int b0 = threadIdx.x; b0 < groups; b0 += STAGE_BATCH * blockDim.x) {
+        float v[STAGE_BATCH][8], w[STAGE_BATCH][8];
+#pragma unroll
+        for (int u = 0; u < STAGE_BATCH; ++u) {
+            const int b = b0 + u * blockDim.x;
+            if (b < full) {
+                load8(x + 8 * b, v[u]);
+                if (IN == IN_RMSNORM) load8(aux + 8 * b, w[u]);
+                if (IN == IN_SWIGLU) load8(x + K + 8 * b, w[u]);
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < STAGE_BATCH; ++u) {
+            const int b = b0 + u * blockDim.x;
+            if (b >= groups) continue;
+            float out[8];
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+                float value;
+                if (b < full) {
+                    if (IN == IN_PLAIN) value = v[u][i];
+                    else if (IN == IN_RMSNORM) value = v[u][i] * scale * w[u][i];
+                    else value = v[u][i] / (1.f + expf(-v[u][i])) * w[u][i];
+                } else {
+                    value = stage_value<IN>(x, aux, K, b * 8 + i, scale);
+                }
+                out[staged_slot<WT>(i)] = value;
+            }
+            // x = hi + lo, both fp16: two mmas make the product as exact as fp32 inputs would.
+            u32 hi[4], lo[4];
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const __half2 h = __floats2half2_rn(out[2 * i], out[2 * i + 1]);
+                const float2 back = __half22float2(h);
+                hi[i] = as_u32(h);
+                lo[i] = pack_half2(out[2 * i] - back.x, out[2 * i + 1] - back.y);
+            }
+            *reinterpret_cast<uint4*>(xs + staged_index(b * 8)) = make_uint4(hi[0], hi[1], hi[2], hi[3]);
+            *reinterpret_cast<uint4*>(xs_lo + staged_index(b * 8)) = make_uint4(lo[0], lo[1], lo[2], lo[3]);
+        }
+    }
+}
+
+// Bytes reserved in front of the staged vector for the cross-warp reduction (double-buffered).
+__device__ __forceinline__ int gemv_scratch_bytes(int nwarps, int rt) {
+    const int floats = 2 * nwarps * 16 * rt > 32 ? 2 * nwarps * 16 * rt : 32;
+    return (floats * 4 + 15) & ~15;
+}
+
+// Persistent blocks: the grid is sized to what stays resident on the GPU, each block stages x once
+// and then walks its row tiles (tile = blockIdx.x, + gridDim.x, ...). Every warp's work is the list
+// of (tile, chunk) items; register double buffering keeps the loads of the next item (also across a
+// tile boundary) in flight while the current one is multiplied, so the DRAM queue never drains
+// while a block reduces a tile.
+template <int WT, int G, int RT, int IN, int OUT>
+__global__ void __launch_bounds__(256) gemv(
+    const unsigned char* __restrict__ w,     // tensor start: values, row-major, kpad columns
+    const __half* __restrict__ scales,       // q8/q4: [rows][kpad/G]; f16: unused
+    int rows, int kpad, int K,               // K: logical input length (x has K valid values)
+    const float* __restrict__ x,             // input (IN_SWIGLU: 2K values, gate then up)
+    const float* __restrict__ aux,           // IN_RMSNORM: norm weight [K]
+    float eps,
+    float* __restrict__ y)                   // output [rows]
+{
+    constexpr int KPL = Weights<WT>::KPL;
+    constexpr int CW = NL * 4 * KPL;                          // k per chunk
+    constexpr int BYTES_PER_K2 = WT == W_Q4 ? 1 : WT == W_Q8 ? 2 : 4;   // bytes per 2 columns
+    constexpr int NCOL = WT == W_F16 ? 1 : CW / G;            // groups per chunk (mma columns used)
+    static_assert(NCOL <= 8, "a chunk may span at most 8 quantization groups");
+    static_assert(RT == 1 || RT == 2, "two register buffers of RT 16-row tiles");
+
+    extern __shared__ __align__(16) unsigned char smem[];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    float* red = reinterpret_cast<float*>(smem);
+    __half* xs = reinterpret_cast<__half*>(smem + gemv_scratch_bytes(nwarps, RT));
+
+    const int nchunks = (kpad + CW - 1) / CW;
+    __half* xs_lo = xs + staged_index(nchunks * CW);          // the low halves of x, same layout
+    const int ngroups = WT == W_F16 ? 1 : kpad / G;
+    const size_t row_bytes = (size_t)kpad * BYTES_PER_K2 / 2;
+    const int n_tiles = (rows + 16 * RT - 1) / (16 * RT);
+    const int my_tiles = (int)blockIdx.x < n_tiles ? (n_tiles - 1 - (int)blockIdx.x) / (int)gridDim.x + 1 : 0;
+    const int my_chunks = warp < nchunks ? (nchunks - 1 - warp) / nwarps + 1 : 0;
+    const int n_items = my_tiles * my_chunks;
+
+    // B columns: for load j this lane's k's belong to group column col(j); it supplies x to the
+    // mma only in that column (lanes with g == col), zeros elsewhere.
+    u32 bmask[NL];
+#pragma unroll
+    for (int j = 0; j < NL; ++j) {
+        const int col = WT == W_F16 ? 0 : (j * 4 * KPL + t * KPL) / G;
+        bmask[j] = (g == col) ? 0xffffffffu : 0u;
+    }
+
+    auto item_tile = [&](int it) { return (int)blockIdx.x + (it / my_chunks) * (int)gridDim.x; };
+    auto item_chunk = [&](int it) { return warp + (it % my_chunks) * nwarps; };
+
+    auto load_item = [&](uint4 (&wv)[RT][2][NL], float (&sc)[RT][2][2], int it) {
+        const int tile = item_tile(it), c = item_chunk(it), kb = c * CW;
+#pragma unroll
+        for (int rt = 0; rt < RT; ++rt)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int r = min(tile * 16 * RT + rt * 16 + g + 8 * h, rows - 1);   // clamped: loads stay in bounds
+                const unsigned char* row = w + (size_t)r * row_bytes;
+#pragma unroll
+                for (int j = 0; j < NL; ++j) {
+                    const int k0 = kb + j * 4 * KPL + t * KPL;
+                    if (k0 < kpad) {
+                        wv[rt][h][j] = load_stream(row + (size_t)k0 * BYTES_PER_K2 / 2);
+                    } else {
+                        const u32 z = Weights<WT>::ZERO;
+                        wv[rt][h][j] = make_uint4(z, z, z, z);
+                    }
+                }
+                if (WT != W_F16) {
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        const int col = 2 * t + e;
+                        const int gi = c * NCOL + col;
+                        sc[rt][h][e] = (col < NCOL && gi < ngroups)
+                                           ? __half2float(scales[(size_t)r * ngroups + gi]) : 0.f;
+                    }
+                }
+            }
+    };
+
+    auto compute_item = [&](const uint4 (&wv)[RT][2][NL], const float (&sc)[RT][2][2], int it, float (&acc)[RT][2]) {
+        float d[RT][4], e[RT][4];      // products with the high and the low halves of x
+#pragma unroll
+        for (int rt = 0; rt < RT; ++rt)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) d[rt][i] = e[rt][i] = 0.f;
+        const int kb = item_chunk(it) * CW;
+#pragma unroll
+        for (int j = 0; j < NL; ++j) {
+            const int k0 = kb + j * 4 * KPL + t * KPL;
+            const uint4* xp = reinterpret_cast<const uint4*>(xs + staged_index(k0));
+            const uint4* xlp = reinterpret_cast<const uint4*>(xs_lo + staged_index(k0));
+#pragma unroll
+            for (int q = 0; q < KPL / 8; ++q) {      // 8 staged halves feed two mmas
+                const uint4 xv = xp[q], xl = xlp[q];
+                const u32 b00 = xv.x & bmask[j], b01 = xv.y & bmask[j];
+                const u32 b10 = xv.z & bmask[j], b11 = xv.w & bmask[j];
+                const u32 c00 = xl.x & bmask[j], c01 = xl.y & bmask[j];
+                const u32 c10 = xl.z & bmask[j], c11 = xl.w & bmask[j];
+#pragma unroll
+                for (int rt = 0; rt < RT; ++rt) {
+                    u32 g_lo, g_hi, g8_lo, g8_hi;
+                    a_pair<WT>(wv[rt][0][j], 2 * q, g_lo, g_hi);
+                    a_pair<WT>(wv[rt][1][j], 2 * q, g8_lo, g8_hi);
+                    mma_16816(d[rt], g_lo, g8_lo, g_hi, g8_hi, b00, b01);
+                    mma_16816(e[rt], g_lo, g8_lo, g_hi, g8_hi, c00, c01);
+                    a_pair<WT>(wv[rt][0][j], 2 * q + 1, g_lo, g_hi);
+                    a_pair<WT>(wv[rt][1][j], 2 * q + 1, g8_lo, g8_hi);
+                    mma_16816(d[rt], g_lo, g8_lo, g_hi, g8_hi, b10, b11);
+                    mma_16816(e[rt], g_lo, g8_lo, g_hi, g8_hi, c10, c11);
+                }
+            }
+        }
+        // d[rt] + e[rt] = {D[g][2t], D[g][2t+1], D[g+8][2t], D[g+8][2t+1]}
+#pragma unroll
+        for (int rt = 0; rt < RT; ++rt) {
+            const float d0 = d[rt][0] + e[rt][0], d1 = d[rt][1] + e[rt][1];
+            const float d2 = d[rt][2] + e[rt][2], d3 = d[rt][3] + e[rt][3];
+            if (WT == W_F16) {
+                acc[rt][0] += d0 + d1;
+                acc[rt][1] += d2 + d3;
+            } else {
+                acc[rt][0] += d0 * sc[rt][0][0] + d1 * sc[rt][0][1];
+                acc[rt][1] += d2 * sc[rt][1][0] + d3 * sc[rt][1][1];
+            }
+        }
+    };
+
+    uint4 wa[RT][2][NL], wb[RT][2][NL];
+    float sa[RT][2][2], sb[RT][2][2];   // scales of mma columns 2t, 2t+1 for rows g, g+8
+    // The first two items' weights are in flight while the input is staged.
+    if (n_items > 0) load_item(wa, sa, 0);
+    if (n_items > 1) load_item(wb, sb, 1);
+    stage_input<WT, IN>(xs, xs_lo, x, aux, K, nchunks * CW, eps, red);
+    __syncthreads();
+
+    int it = 0;
+    for (int ti = 0; ti < my_tiles; ++ti) {
+        float acc[RT][2];
+#pragma unroll
+        for (int rt = 0; rt < RT; ++rt) acc[rt][0] = acc[rt][1] = 0.f;
+        for (int k = 0; k < my_chunks; ++k, ++it) {
+            if ((it & 1) == 0) {
+                compute_item(wa, sa, it, acc);
+                if (it + 2 < n_items) load_item(wa, sa, it + 2);
+            } else {
+                compute_item(wb, sb, it, acc);
+                if (it + 2 < n_items) load_item(wb, sb, it + 2);
+            }
+        }
+        // Sum the four lanes of each row, then the warps (red is double-buffered by tile parity, so
+        // one barrier per tile suffices).
+        float* part = red + (ti & 1) * nwarps * 16 * RT;
+#pragma unroll
+        for (int rt = 0; rt < RT; ++rt)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                float v = acc[rt][h];
+                v += __shfl_xor_sync(0xffffffffu, v, 1);
+                v += __shfl_xor_sync(0xffffffffu, v, 2);
+                if (t == 0) part[(warp * RT + rt) * 16 + g + 8 * h] = v;
+            }
+        __syncthreads();
+        const int row0 = ((int)blockIdx.x + ti * (int)gridDim.x) * 16 * RT;
+        for (int i = threadIdx.x; i < 16 * RT; i += blockDim.x) {
+            const int row = row0 + i;
+            if (row >= rows) continue;
+            float total = 0.f;
+            for (int wi = 0; wi < nwarps; ++wi) total += part[wi * 16 * RT + i];
+            if (OUT == OUT_ADD) y[row] += total;
+            else y[row] = total;
+        }
+    }
+}

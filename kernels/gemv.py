@@ -1,0 +1,139 @@
+"""Launching the GEMV kernels of gemv.cu, and their NumPy reference.
+
+A GemvShape says what is multiplied (encoding, group, rows, columns) and which fusions run at the
+input (plain, rmsnorm, swiglu) and output (store, add); a GemvConfig is the tunable part (row tiles
+of 16 per block, warps per block). make_gemv turns both plus device pointers into a Launch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from tinyinfer.kernels.build import Launch, module
+
+ENCODING_ID = {"f16": 0, "q8": 1, "q4": 2}
+INPUT_ID = {"plain": 0, "rmsnorm": 1, "swiglu": 2}
+OUTPUT_ID = {"store": 0, "add": 1}
+CHUNK_K = {"f16": 64, "q8": 128, "q4": 256}   # columns per chunk: NL(2) * 4 lanes * 16 bytes
+SUPPORTED = tuple(ENCODING_ID)
+CANDIDATES = tuple((rt, warps) for rt in (1, 2) for warps in (4, 8))
+
+
+@dataclass(frozen=True)
+class GemvShape:
+    encoding: str     # f16, q8, q4
+    group: int        # quantization group (0 for f16)
+    rows: int
+    cols: int         # logical input length K
+    cols_pad: int     # stored row length
+    input: str = "plain"
+    output: str = "store"
+
+    @property
+    def key(self) -> str:
+        return (f"{self.encoding}g{self.group}:{self.rows}x{self.cols}:{self.input}>{self.output}")
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of the weight tensor the kernel reads (values + scales)."""
+        per_row = {"f16": 2 * self.cols_pad, "q8": self.cols_pad, "q4": self.cols_pad // 2}[self.encoding]
+        scales = 0 if self.encoding == "f16" else 2 * self.cols_pad // self.group
+        return self.rows * (per_row + scales)
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    row_tiles: int = 1   # 16-row tiles per block (R)
+    warps: int = 8       # warps per block, splitting K
+
+    def as_dict(self) -> dict:
+        return {"row_tiles": self.row_tiles, "warps": self.warps}
+
+
+def shape_of(tensor_info, input: str = "plain", output: str = "store") -> GemvShape:
+    """GemvShape of a 2-D .tinf tensor (TensorInfo or Tensor)."""
+    from tinyinfer.formats.quant import padded_cols
+
+    rows, cols = tensor_info.shape
+    if tensor_info.encoding not in SUPPORTED:
+        raise ValueError(f"no GEMV kernel for encoding {tensor_info.encoding}")
+    group = tensor_info.group or 0
+    return GemvShape(tensor_info.encoding, group, rows, cols, padded_cols(tensor_info.encoding, cols, group or None),
+                     input, output)
+
+
+def name_expression(shape: GemvShape, row_tiles: int) -> str:
+    return (f"gemv<{ENCODING_ID[shape.encoding]},{shape.group},{row_tiles},"
+            f"{INPUT_ID[shape.input]},{OUTPUT_ID[shape.output]}>")
+
+
+def staged_halves(shape: GemvShape) -> int:
+    chunk = CHUNK_K[shape.encoding]
+    kc = -(-shape.cols_pad // chunk) * chunk
+    return kc + (kc // 64) * 8
+
+
+def shared_bytes(shape: GemvShape, config: GemvConfig) -> int:
+    scratch = max(2 * config.warps * 16 * config.row_tiles, 32) * 4
+    scratch = (scratch + 15) // 16 * 16
+    return scratch + 2 * 2 * staged_halves(shape)      # x as fp16 hi and lo halves
+
+
+def scale_offset(shape: GemvShape) -> int:
+    from tinyinfer.formats.quant import scale_offset as offset
+
+    return offset(shape.encoding, (shape.rows, shape.cols), shape.group) if shape.encoding != "f16" else 0
+
+
+def compile_gemvs(items, compute_capability: int):
+    """One RawModule holding every (shape, row_tiles) instantiation in `items`."""
+    expressions = tuple(sorted({name_expression(shape, rt) for shape, rt in items}))
+    return module("gemv.cu", expressions, compute_capability), expressions
+
+
+def resident_blocks(kernel, threads: int, shared: int) -> int:
+    """Blocks of this kernel that fit on one SM at once (registers, shared memory, threads)."""
+    import cupy
+
+    props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
+    regs_per_warp = -(-max(kernel.num_regs, 1) * 32 // 256) * 256            # allocated in units of 256
+    by_regs = props["regsPerMultiprocessor"] // (regs_per_warp * (threads // 32))
+    by_smem = props["sharedMemPerMultiprocessor"] // (shared + 1024)            # 1 KiB reserved per block
+    by_threads = props["maxThreadsPerMultiProcessor"] // threads
+    return max(1, min(by_regs, by_smem, by_threads, 32)), props["multiProcessorCount"]
+
+
+def make_gemv(mod, shape: GemvShape, config: GemvConfig, weight, x, y, aux=None, eps: float = 0.0,
+              name: str = "gemv") -> Launch:
+    """Launch computing y (+)= W f(x). weight: CuPy uint8 array holding the tensor's bytes as stored.
+
+    The grid is persistent: as many blocks as stay resident (at most one per row tile)."""
+    kernel = mod.get_function(name_expression(shape, config.row_tiles))
+    w_ptr = weight.data.ptr
+    scale_ptr = w_ptr + scale_offset(shape) if shape.encoding != "f16" else w_ptr
+    tiles = -(-shape.rows // (16 * config.row_tiles))
+    shared = shared_bytes(shape, config)
+    per_sm, sms = resident_blocks(kernel, 32 * config.warps, shared)
+    args = (np.uint64(w_ptr), np.uint64(scale_ptr), np.int32(shape.rows), np.int32(shape.cols_pad),
+            np.int32(shape.cols), x, aux if aux is not None else np.uint64(0), np.float32(eps), y)
+    return Launch(name, kernel, (min(tiles, per_sm * sms),), (32 * config.warps,), args, shared,
+                  bytes_read=shape.weight_bytes)
+
+
+def gemv_reference(tensor, x: np.ndarray, input: str = "plain", aux=None, eps: float = 0.0,
+                   residual: np.ndarray | None = None) -> np.ndarray:
+    """What the kernel computes, from runtime.reference: y = W f(x) (+ residual), float32."""
+    from tinyinfer.runtime import reference as ref
+
+    k = tensor.cols
+    x = np.asarray(x, dtype=np.float32)
+    if input == "rmsnorm":
+        h = ref.rms_norm(x[:k], aux[:k], eps)
+    elif input == "swiglu":
+        h = ref.swiglu(x[: 2 * k])
+    else:
+        h = x[:k]
+    y = ref.linear(h[None, :], tensor.to_float32())[0]
+    return y + residual if residual is not None else y

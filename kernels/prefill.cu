@@ -1,0 +1,317 @@
+// Prefill: a chunk of T prompt tokens through one layer at a time, as matrix-matrix work.
+//
+// The linear layers are cuBLAS fp16 GEMMs (fp32 accumulation and output), launched from Python;
+// the kernels here feed and connect them:
+//
+//   embed_rows      token ids -> x [T][dim] float32 (the residual stream stays float32)
+//   rmsnorm_rows    x -> rms_norm(x) * w as fp16 [T][dim]            (GEMM input)
+//   dequant_q4/q8   a quantized matrix -> fp16 [rows][kpad]          (GEMM weight, once per chunk)
+//   rope_store      qkv [T][(nh + 2 nkv) hd] float32 -> q fp16 [nh][T][hd] (rotated, pre-scaled),
+//                   rotated k and v written to the fp16 KV cache at positions start..start+T-1
+//   attention       causal flash attention of the chunk's queries against the cache -> fp16 [T][nh hd]
+//   swiglu_rows     gate_up [T][2 ffn] float32 -> silu(gate) * up as fp16 [T][ffn]
+//
+// Rounding matches the decode path: GEMM inputs and the KV cache are fp16, everything else fp32.
+// Plain kernels are extern "C" (looked up by name); the attention template through NVRTC name expressions.
+#include "common.cuh"
+
+// x[t][k] = table[ids[t]][k] as float32. Grid (T), any block size.
+extern "C" __global__ void embed_rows(const void* __restrict__ table, int encoding, int cols_pad, int dim,
+                                      const int* __restrict__ ids, float* __restrict__ x)
+{
+    const size_t row = (size_t)ids[blockIdx.x] * cols_pad;
+    float* out = x + (size_t)blockIdx.x * dim;
+    for (int k = threadIdx.x; k < dim; k += blockDim.x) out[k] = embedding_value(table, encoding, row + k);
+}
+
+// out[t][k] = x[t][k] * rsqrt(mean_k x[t]^2 + eps) * w[k], rounded to fp16. Grid (T), block 256.
+extern "C" __global__ void __launch_bounds__(256) rmsnorm_rows(const float* __restrict__ x, const float* __restrict__ w,
+                                                    int dim, float eps, __half* __restrict__ out)
+{
+    __shared__ float scratch[32];
+    const float* row = x + (size_t)blockIdx.x * dim;
+    float ss = 0.f;
+    for (int k = threadIdx.x; k < dim; k += blockDim.x) ss += row[k] * row[k];
+    ss = block_sum(ss, scratch);
+    const float scale = rsqrtf(ss / (float)dim + eps);
+    __half* o = out + (size_t)blockIdx.x * dim;
+    for (int k = threadIdx.x; k < dim; k += blockDim.x) o[k] = __float2half_rn(row[k] * scale * w[k]);
+}
+
+// out[t][k] = silu(gu[t][k]) * gu[t][ffn + k] as fp16, over n = T * ffn elements (grid-stride).
+extern "C" __global__ void swiglu_rows(const float* __restrict__ gu, int ffn, size_t n, __half* __restrict__ out)
+{
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+        const size_t t = i / ffn, k = i % ffn;
+        const float gate = gu[t * 2 * ffn + k];
+        out[i] = __float2half_rn(gate / (1.f + expf(-gate)) * gu[t * 2 * ffn + ffn + k]);
+    }
+}
+
+// q4 matrix (rows x kpad, nibble pairs, fp16 scale per G columns) -> fp16 rows x kpad.
+// One thread per 16 stored bytes = 32 columns of one row, all in one group (G is a multiple of 32).
+// Each weight is (nibble - 8) * scale computed in float32 and rounded once to fp16.
+extern "C" __global__ void dequant_q4(const unsigned char* __restrict__ w, const __half* __restrict__ scales,
+                           int rows, int kpad, int group, __half* __restrict__ out)
+{
+    const size_t per_row = (size_t)kpad / 32;
+    const size_t n = (size_t)rows * per_row;
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+        const size_t r = i / per_row, col0 = (i % per_row) * 32;
+        const float s = __half2float(scales[r * (kpad / group) + col0 / group]);
+        const uint4 packed = *reinterpret_cast<const uint4*>(w + r * (size_t)(kpad / 2) + col0 / 2);
+        const u32 words[4] = {packed.x, packed.y, packed.z, packed.w};
+        uint4* dst = reinterpret_cast<uint4*>(out + r * (size_t)kpad + col0);
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {          // 4 bytes = 8 columns per output uint4
+            const u32 b = words[q];
+            float v[8];
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                v[2 * j] = (float)((int)((b >> (8 * j)) & 0xF) - 8) * s;
+                v[2 * j + 1] = (float)((int)((b >> (8 * j + 4)) & 0xF) - 8) * s;
+            }
+            dst[q] = make_uint4(pack_half2(v[0], v[1]), pack_half2(v[2], v[3]), pack_half2(v[4], v[5]),
+                                pack_half2(v[6], v[7]));
+        }
+    }
+}
+
+// q8 matrix (rows x kpad signed bytes, fp16 scale per G columns) -> fp16 rows x kpad.
+// One thread per 16 bytes = 16 columns (G is a multiple of 16).
+extern "C" __global__ void dequant_q8(const unsigned char* __restrict__ w, const __half* __restrict__ scales,
+                           int rows, int kpad, int group, __half* __restrict__ out)
+{
+    const size_t per_row = (size_t)kpad / 16;
+    const size_t n = (size_t)rows * per_row;
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+        const size_t r = i / per_row, col0 = (i % per_row) * 16;
+        const float s = __half2float(scales[r * (kpad / group) + col0 / group]);
+        const uint4 packed = *reinterpret_cast<const uint4*>(w + r * (size_t)kpad + col0);
+        const u32 words[4] = {packed.x, packed.y, packed.z, packed.w};
+        uint2* dst = reinterpret_cast<uint2*>(out + r * (size_t)kpad + col0);
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {          // 4 bytes = 4 columns per output uint2
+            const u32 b = words[q];
+            const float v0 = (float)(signed char)(b & 0xFF) * s, v1 = (float)(signed char)((b >> 8) & 0xFF) * s;
+            const float v2 = (float)(signed char)((b >> 16) & 0xFF) * s, v3 = (float)(signed char)(b >> 24) * s;
+            dst[q] = make_uint2(pack_half2(v0, v1), pack_half2(v2, v3));
+        }
+    }
+}
+
+// RoPE (rotate-half, tables [ctx][hd/2]) for the chunk's q and k, the cache append of k and v,
+// and q as fp16 [n_heads][T][hd] multiplied by q_scale = log2(e)/sqrt(hd) (the attention kernel
+// works in base 2). Grid (T), block 256. The k rotation is the decode kernel's expression.
+extern "C" __global__ void __launch_bounds__(256) rope_store(
+    const float* __restrict__ qkv, int T, int start, int n_heads, int n_kv, int hd,
+    const float* __restrict__ rope_cos, const float* __restrict__ rope_sin, float q_scale,
+    __half* __restrict__ q_out, __half* __restrict__ k_cache, __half* __restrict__ v_cache)
+{
+    const int t = blockIdx.x, pos = start + t, half_hd = hd >> 1;
+    const float* row = qkv + (size_t)t * (n_heads + 2 * n_kv) * hd;
+    const float* cos_p = rope_cos + (size_t)pos * half_hd;
+    const float* sin_p = rope_sin + (size_t)pos * half_hd;
+    for (int i = threadIdx.x; i < n_heads * half_hd; i += blockDim.x) {
+        const int h = i / half_hd, d = i % half_hd;
+        const float a = row[h * hd + d], b = row[h * hd + d + half_hd];
+        __half* q = q_out + ((size_t)h * T + t) * hd;
+        q[d] = __float2half_rn((a * cos_p[d] - b * sin_p[d]) * q_scale);
+        q[d + half_hd] = __float2half_rn((b * cos_p[d] + a * sin_p[d]) * q_scale);
+    }
+    const size_t cache_row = (size_t)pos * n_kv * hd;
+    const float* k = row + (size_t)n_heads * hd;
+    for (int i = threadIdx.x; i < n_kv * half_hd; i += blockDim.x) {
+        const int h = i / half_hd, d = i % half_hd;
+        const float a = k[h * hd + d], b = k[h * hd + d + half_hd];
+        k_cache[cache_row + h * hd + d] = __float2half_rn(a * cos_p[d] - b * sin_p[d]);
+        k_cache[cache_row + h * hd + d + half_hd] = __float2half_rn(b * cos_p[d] + a * sin_p[d]);
+    }
+    const float* v = k + (size_t)n_kv * hd;
+    for (int i = threadIdx.x; i < n_kv * hd; i += blockDim.x) v_cache[cache_row + i] = __float2half_rn(v[i]);
+}
+
+// Causal attention of a chunk's queries against the KV cache, FlashAttention-2 style.
+//
+// Block (query tile, head): 4 warps x 16 query rows. The block walks the key positions
+// 0 .. start + (its last query) in tiles of 64: K and V tiles are staged in shared memory (V
+// transposed, so both mma B operands are 32-bit loads), S = Q K^T and O += P V run on the tensor
+// cores (mma m16n8k16, fp32 accumulation; two k8 halves on Turing), and each row keeps a running
+// max and sum (base 2: q is pre-scaled by log2(e)/sqrt(hd)). P is rounded to fp16 for its mma.
+// Query tiles are visited last-first so the longest blocks start first.
+//
+// Fragment layout (lane = 4 g + t): A rows g / g+8, columns 2t,2t+1 (+8); B column g, rows
+// 2t,2t+1 (+8); C rows g / g+8, columns 2t, 2t+1.
+#define FA_BQ 64
+#define FA_BK 64
+#define FA_WARPS 4
+
+template <int HD>
+__global__ void __launch_bounds__(FA_WARPS * 32) attention_prefill(
+    const __half* __restrict__ q,         // [n_heads][T][HD]
+    const __half* __restrict__ k_cache,   // [ctx][n_kv][HD] this layer, positions < start + T valid
+    const __half* __restrict__ v_cache,
+    int T, int start, int n_heads, int n_kv,
+    __half* __restrict__ out)             // [T][n_heads * HD]
+{
+    static_assert(HD % 16 == 0 && HD <= 128, "head_dim must be a multiple of 16, at most 128");
+    constexpr int KSTEPS = HD / 16;       // mma k-steps over the head dimension (S = Q K^T)
+    constexpr int DTILES = HD / 8;        // 8-wide output column tiles (O = P V)
+    constexpr int NTILES = FA_BK / 8;     // 8-wide key tiles of S
+    constexpr int KS = HD + 8;            // padded smem row strides (halves): conflict-free 32-bit reads
+    constexpr int VS = FA_BK + 8;
+    __shared__ __align__(16) __half k_s[FA_BK * KS];   // [key][dim]
+    __shared__ __align__(16) __half vt_s[HD * VS];     // [dim][key]
+
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, t4 = lane & 3;
+    const int head = blockIdx.y, kvh = head / (n_heads / n_kv);
+    const int q0 = (gridDim.x - 1 - blockIdx.x) * FA_BQ;
+    const int q_last = min(q0 + FA_BQ, T) - 1;            // last real query row of the block
+    const int key_end = start + q_last + 1;               // keys [0, key_end) are needed
+    const int row0 = q0 + warp * 16;                      // this warp's first query row
+    const int pos_lo = start + row0 + g, pos_hi = pos_lo + 8;   // positions of this lane's two rows
+    const size_t cache_stride = (size_t)n_kv * HD;
+
+    // Q fragments for the warp's 16 rows (rows >= T read as zero).
+    u32 qa[KSTEPS][4];
+    {
+        const __half* q_head = q + (size_t)head * T * HD;
+        const int r_lo = row0 + g, r_hi = r_lo + 8;
+#pragma unroll
+        for (int kk = 0; kk < KSTEPS; ++kk) {
+            const int c = kk * 16 + 2 * t4;
+            qa[kk][0] = r_lo < T ? *reinterpret_cast<const u32*>(q_head + (size_t)r_lo * HD + c) : 0u;
+            qa[kk][1] = r_hi < T ? *reinterpret_cast<const u32*>(q_head + (size_t)r_hi * HD + c) : 0u;
+            qa[kk][2] = r_lo < T ? *reinterpret_cast<const u32*>(q_head + (size_t)r_lo * HD + c + 8) : 0u;
+            qa[kk][3] = r_hi < T ? *reinterpret_cast<const u32*>(q_head + (size_t)r_hi * HD + c + 8) : 0u;
+        }
+    }
+
+    float o[DTILES][4];
+#pragma unroll
+    for (int j = 0; j < DTILES; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
+    float m_lo = -TI_INF, m_hi = -TI_INF, l_lo = 0.f, l_hi = 0.f;
+
+    const __half* k_head = k_cache + (size_t)kvh * HD;
+    const __half* v_head = v_cache + (size_t)kvh * HD;
+    for (int k0 = 0; k0 < key_end; k0 += FA_BK) {
+        __syncthreads();                                  // the previous tile has been consumed
+        // K tile row-major; keys past key_end are zero (finite, and masked below anyway).
+        for (int i = threadIdx.x; i < FA_BK * HD / 8; i += blockDim.x) {
+            const int r = i / (HD / 8), c = (i % (HD / 8)) * 8;
+            uint4 v = make_uint4(0u, 0u, 0u, 0u);
+            if (k0 + r < key_end) v = *reinterpret_cast<const uint4*>(k_head + (size_t)(k0 + r) * cache_stride + c);
+            *reinterpret_cast<uint4*>(k_s + r * KS + c) = v;
+        }
+        // V tile transposed: consecutive threads take consecutive keys of one 8-column slice.
+        for (int i = threadIdx.x; i < FA_BK * HD / 8; i += blockDim.x) {
+            const int r = i % FA_BK, c = (i / FA_BK) * 8;
+            uint4 v = make_uint4(0u, 0u, 0u, 0u);
+            if (k0 + r < key_end) v = *reinterpret_cast<const uint4*>(v_head + (size_t)(k0 + r) * cache_stride + c);
+            const __half* h = reinterpret_cast<const __half*>(&v);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) vt_s[(c + e) * VS + r] = h[e];
+        }
+        __syncthreads();
+        if (k0 > start + row0 + 15) continue;             // every key is after every row of this warp
+
+        // S = Q K^T for 16 rows x 64 keys.
+        float s[NTILES][4];
+#pragma unroll
+        for (int j = 0; j < NTILES; ++j) {
+            s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
+            const __half* kr = k_s + (j * 8 + g) * KS + 2 * t4;
+#pragma unroll
+            for (int kk = 0; kk < KSTEPS; ++kk) {
+                const u32 b0 = *reinterpret_cast<const u32*>(kr + kk * 16);
+                const u32 b1 = *reinterpret_cast<const u32*>(kr + kk * 16 + 8);
+                mma_16816(s[j], qa[kk][0], qa[kk][1], qa[kk][2], qa[kk][3], b0, b1);
+            }
+        }
+        // Causal mask where the tile reaches past the warp's first row.
+        if (k0 + FA_BK - 1 > start + row0) {
+#pragma unroll
+            for (int j = 0; j < NTILES; ++j) {
+                const int key = k0 + j * 8 + 2 * t4;
+                if (key > pos_lo) s[j][0] = -TI_INF;
+                if (key + 1 > pos_lo) s[j][1] = -TI_INF;
+                if (key > pos_hi) s[j][2] = -TI_INF;
+                if (key + 1 > pos_hi) s[j][3] = -TI_INF;
+            }
+        }
+        // Online softmax: the four lanes t4 = 0..3 of a row hold its 64 scores between them.
+        float mx_lo = -TI_INF, mx_hi = -TI_INF;
+#pragma unroll
+        for (int j = 0; j < NTILES; ++j) {
+            mx_lo = fmaxf(mx_lo, fmaxf(s[j][0], s[j][1]));
+            mx_hi = fmaxf(mx_hi, fmaxf(s[j][2], s[j][3]));
+        }
+        mx_lo = fmaxf(mx_lo, __shfl_xor_sync(0xffffffffu, mx_lo, 1));
+        mx_lo = fmaxf(mx_lo, __shfl_xor_sync(0xffffffffu, mx_lo, 2));
+        mx_hi = fmaxf(mx_hi, __shfl_xor_sync(0xffffffffu, mx_hi, 1));
+        mx_hi = fmaxf(mx_hi, __shfl_xor_sync(0xffffffffu, mx_hi, 2));
+        const float new_lo = fmaxf(m_lo, mx_lo), new_hi = fmaxf(m_hi, mx_hi);
+        const float base_lo = new_lo == -TI_INF ? 0.f : new_lo;   // a row with no key yet stays at zero
+        const float base_hi = new_hi == -TI_INF ? 0.f : new_hi;
+        const float corr_lo = exp2f(m_lo - base_lo), corr_hi = exp2f(m_hi - base_hi);
+        m_lo = new_lo;
+        m_hi = new_hi;
+        float sum_lo = 0.f, sum_hi = 0.f;
+#pragma unroll
+        for (int j = 0; j < NTILES; ++j) {
+            s[j][0] = exp2f(s[j][0] - base_lo);
+            s[j][1] = exp2f(s[j][1] - base_lo);
+            s[j][2] = exp2f(s[j][2] - base_hi);
+            s[j][3] = exp2f(s[j][3] - base_hi);
+            sum_lo += s[j][0] + s[j][1];
+            sum_hi += s[j][2] + s[j][3];
+        }
+        l_lo = l_lo * corr_lo + sum_lo;                   // per-lane partial sums, reduced at the end
+        l_hi = l_hi * corr_hi + sum_hi;
+#pragma unroll
+        for (int j = 0; j < DTILES; ++j) {
+            o[j][0] *= corr_lo;
+            o[j][1] *= corr_lo;
+            o[j][2] *= corr_hi;
+            o[j][3] *= corr_hi;
+        }
+        // O += P V: P's C-fragments of key tiles 2kk, 2kk+1 are exactly the A-fragment of k-step kk.
+#pragma unroll
+        for (int kk = 0; kk < FA_BK / 16; ++kk) {
+            const u32 a0 = pack_half2(s[2 * kk][0], s[2 * kk][1]);
+            const u32 a1 = pack_half2(s[2 * kk][2], s[2 * kk][3]);
+            const u32 a2 = pack_half2(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+            const u32 a3 = pack_half2(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+#pragma unroll
+            for (int j = 0; j < DTILES; ++j) {
+                const __half* vr = vt_s + (j * 8 + g) * VS + kk * 16 + 2 * t4;
+                const u32 b0 = *reinterpret_cast<const u32*>(vr);
+                const u32 b1 = *reinterpret_cast<const u32*>(vr + 8);
+                mma_16816(o[j], a0, a1, a2, a3, b0, b1);
+            }
+        }
+    }
+
+    l_lo += __shfl_xor_sync(0xffffffffu, l_lo, 1);
+    l_lo += __shfl_xor_sync(0xffffffffu, l_lo, 2);
+    l_hi += __shfl_xor_sync(0xffffffffu, l_hi, 1);
+    l_hi += __shfl_xor_sync(0xffffffffu, l_hi, 2);
+    const int r_lo = row0 + g, r_hi = r_lo + 8;
+    const size_t out_stride = (size_t)n_heads * HD;
+#pragma unroll
+    for (int j = 0; j < DTILES; ++j) {
+        const int c = head * HD + j * 8 + 2 * t4;
+        if (r_lo < T)
+            *reinterpret_cast<u32*>(out + (size_t)r_lo * out_stride + c) = pack_half2(o[j][0] / l_lo, o[j][1] / l_lo);
+        if (r_hi < T)
+            *reinterpret_cast<u32*>(out + (size_t)r_hi * out_stride + c) = pack_half2(o[j][2] / l_hi, o[j][3] / l_hi);
+    }
+}
+
+// The head sizes of the Llama family, compiled ahead so an offline nvcc build checks them;
+// others are instantiated at run time through NVRTC name expressions.
+template __global__ void attention_prefill<64>(const __half*, const __half*, const __half*, int, int, int, int,
+                                               __half*);
+template __global__ void attention_prefill<128>(const __half*, const __half*, const __half*, int, int, int, int,
+                                                __half*);

@@ -1,0 +1,320 @@
+// The last node of a decode step: pick the next token from the logits on the device, exactly as
+// tinyinfer.runtime.sampling.sample() defines it, then feed it back (state[TOKEN]), append it to
+// the output array and advance the position, so the next graph replay needs nothing from the host.
+//
+// One block of 1024 threads. Greedy without repetition penalty is one argmax pass. Otherwise the
+// steps of sample() run in float64 like the reference: penalty -> (greedy) -> / temperature ->
+// top-k (radix select of the k-th largest value) -> softmax -> top-p (radix descent on the
+// probabilities' bit patterns with per-bin probability sums; ties at the cut kept in id order) ->
+// min-p -> inverse-CDF draw in ascending id order with the host-drawn uniform u for this step.
+// Only the order of floating-point summation differs from NumPy's, so a different token needs a
+// draw within ~1e-15 of a cumulative boundary.
+#include "common.cuh"
+
+#define SAMPLE_THREADS 1024
+#define P_TEMPERATURE 0
+#define P_TOP_P 1
+#define P_MIN_P 2
+#define P_PENALTY 3
+#define P_TOP_K 4
+#define P_COUNT 8
+
+// Monotone maps from double to unsigned keys (larger value -> larger key).
+__device__ __forceinline__ u64 order_key(double v) {
+    const u64 bits = (u64)__double_as_longlong(v);
+    return (bits >> 63) ? ~bits : (bits | 0x8000000000000000ull);
+}
+
+struct ArgBest {
+    double value;
+    int index;
+};
+
+__device__ __forceinline__ ArgBest better(ArgBest a, ArgBest b) {   // larger value, then lower index
+    if (b.value > a.value || (b.value == a.value && b.index < a.index)) return b;
+    return a;
+}
+
+__device__ ArgBest block_argmax(ArgBest v, ArgBest* scratch) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        ArgBest other;
+        other.value = __shfl_xor_sync(0xffffffffu, v.value, o);
+        other.index = __shfl_xor_sync(0xffffffffu, v.index, o);
+        v = better(v, other);
+    }
+    __syncthreads();
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    ArgBest best = scratch[0];
+    for (int w = 1; w < (int)(blockDim.x >> 5); ++w) best = better(best, scratch[w]);
+    return best;
+}
+
+__device__ double block_sum_f64(double v, double* scratch) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    __syncthreads();
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    double total = 0.0;
+    for (int w = 0; w < (int)(blockDim.x >> 5); ++w) total += scratch[w];
+    return total;
+}
+
+// Exclusive prefix over threads (thread order = id order of the contiguous ranges).
+__device__ double block_exclusive_f64(double v, double* scratch) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    double inclusive = v;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const double up = __shfl_up_sync(0xffffffffu, inclusive, o);
+        if (lane >= o) inclusive += up;
+    }
+    __syncthreads();
+    if (lane == 31) scratch[warp] = inclusive;
+    __syncthreads();
+    double before = 0.0;
+    for (int w = 0; w < warp; ++w) before += scratch[w];
+    return before + inclusive - v;
+}
+
+struct Cut {          // which tokens survive top-k / top-p / min-p
+    double kth;       // keep x >= kth (top-k); -inf when off
+    double max_x;     // softmax shift
+    double z;         // softmax denominator over the top-k survivors
+    double tau;       // top-p: keep p > tau, and p == tau with id <= tie_id; -1 when off
+    int tie_id;
+    double min_p_floor;   // keep p >= this (min-p); 0 when off
+};
+
+__device__ __forceinline__ double prob_of(double x, const Cut& c) { return exp(x - c.max_x) / c.z; }
+
+__device__ __forceinline__ bool kept(double x, int id, const Cut& c) {
+    if (x < c.kth) return false;
+    const double p = prob_of(x, c);
+    if (c.tau >= 0.0 && !(p > c.tau || (p == c.tau && id <= c.tie_id))) return false;
+    return p >= c.min_p_floor;
+}
+
+// k-th largest of xs[0..n) (k in 1..n): radix select on order keys, 8 bits per pass from the top.
+__device__ double kth_largest(const double* xs, int n, int k, u32* hist, u64* shared_prefix, int* shared_k) {
+    u64 prefix = 0, mask = 0;
+    int remaining = k;
+    for (int shift = 56; shift >= 0; shift -= 8) {
+        for (int b = threadIdx.x; b < 256; b += blockDim.x) hist[b] = 0;
+        __syncthreads();
+        for (int i = threadIdx.x; i < n; i += blockDim.x) {
+            const u64 key = order_key(xs[i]);
+            if ((key & mask) == prefix) atomicAdd(&hist[(key >> shift) & 255], 1u);
+        }
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            int b = 255;
+            while (b > 0 && (int)hist[b] < remaining) remaining -= hist[b--];
+            *shared_prefix = prefix | ((u64)b << shift);
+            *shared_k = remaining;
+        }
+        __syncthreads();
+        prefix = *shared_prefix;
+        remaining = *shared_k;
+        mask |= (u64)255 << shift;
+        __syncthreads();
+    }
+    const u64 key = prefix;
+    const u64 bits = (key >> 63) ? (key & 0x7fffffffffffffffull) : ~key;
+    return __longlong_as_double((long long)bits);
+}
+
+extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_token(
+    const float* __restrict__ logits, int vocab,
+    const double* __restrict__ params,     // [P_COUNT]: temperature, top_p, min_p, penalty, top_k
+    const double* __restrict__ uniforms,   // [n] one draw per generated token, indexed by state[STEP]
+    int n_uniforms,
+    unsigned char* __restrict__ seen,      // [vocab] history set for the repetition penalty
+    double* __restrict__ xs,               // [vocab] scratch
+    int* __restrict__ state,
+    int* __restrict__ out_tokens, int out_cap,
+    const void* __restrict__ emb_table, int emb_encoding, int emb_cols_pad, int dim,
+    float* __restrict__ x)                 // the next step's input: the embedding of the chosen token
+{
+    __shared__ double scratch_d[32];
+    __shared__ ArgBest scratch_a[32];
+    __shared__ u32 hist[256];
+    __shared__ double bin_sum[256];
+    __shared__ u64 shared_prefix;
+    __shared__ int shared_k;
+    __shared__ double shared_d[2];
+    __shared__ int shared_i;
+
+    const double temperature = params[P_TEMPERATURE], top_p = params[P_TOP_P];
+    const double min_p = params[P_MIN_P], penalty = params[P_PENALTY];
+    const int top_k = (int)params[P_TOP_K];
+    const bool penalise = penalty != 1.0;
+
+    // 1. repetition penalty, 2. greedy, 3. temperature (values kept in xs for later passes).
+    ArgBest best = {-TI_INF, 0x7fffffff};
+    if (temperature == 0.0 && !penalise && (vocab & 3) == 0) {
+        // Plain greedy: an argmax with 16-byte loads, eight in flight per thread.
+        const float4* l4 = reinterpret_cast<const float4*>(logits);
+        const int n4 = vocab >> 2;
+        for (int i0 = threadIdx.x; i0 < n4; i0 += 8 * blockDim.x) {
+            float4 v[8];
+#pragma unroll
+            for (int u = 0; u < 8; ++u)
+                if (i0 + u * (int)blockDim.x < n4) v[u] = l4[i0 + u * blockDim.x];
+#pragma unroll
+            for (int u = 0; u < 8; ++u) {
+                const int i = 4 * (i0 + u * blockDim.x);
+                if (i < vocab) {
+                    best = better(best, ArgBest{v[u].x, i});
+                    best = better(best, ArgBest{v[u].y, i + 1});
+                    best = better(best, ArgBest{v[u].z, i + 2});
+                    best = better(best, ArgBest{v[u].w, i + 3});
+                }
+            }
+        }
+    } else {
+        for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
+            double x = (double)logits[i];
+            if (penalise && seen[i]) x = x > 0.0 ? x / penalty : x * penalty;
+            if (temperature > 0.0) {
+                x = x / temperature;
+                xs[i] = x;
+            }
+            best = better(best, ArgBest{x, i});
+        }
+    }
+    best = block_argmax(best, scratch_a);
+    int token = best.index < vocab ? best.index : 0;
+
+    if (temperature > 0.0) {
+        __syncthreads();
+        Cut cut;
+        cut.max_x = best.value;
+        cut.kth = -TI_INF;
+        cut.tau = -1.0;
+        cut.tie_id = vocab;
+        cut.min_p_floor = 0.0;
+        cut.z = 1.0;
+        // 4. top-k
+        if (top_k > 0 && top_k < vocab) cut.kth = kth_largest(xs, vocab, top_k, hist, &shared_prefix, &shared_k);
+        // 5. softmax over the survivors
+        double z = 0.0;
+        for (int i = threadIdx.x; i < vocab; i += blockDim.x)
+            if (xs[i] >= cut.kth) z += exp(xs[i] - cut.max_x);
+        cut.z = block_sum_f64(z, scratch_d);
+        // top-p: find the probability tau of the token at which the sorted cumulative sum reaches top_p.
+        if (top_p < 1.0) {
+            u64 prefix = 0, mask = 0;
+            double above = 0.0;              // sum of probabilities with key above the current prefix
+            bool found = true;
+            for (int shift = 56; shift >= 0 && found; shift -= 8) {
+                for (int b = threadIdx.x; b < 256; b += blockDim.x) {
+                    hist[b] = 0;
+                    bin_sum[b] = 0.0;
+                }
+                __syncthreads();
+                for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
+                    if (xs[i] < cut.kth) continue;
+                    const double p = prob_of(xs[i], cut);
+                    const u64 key = (u64)__double_as_longlong(p);     // p >= 0: bits are monotone
+                    if ((key & mask) == prefix) {
+                        atomicAdd(&hist[(key >> shift) & 255], 1u);
+                        atomicAdd(&bin_sum[(key >> shift) & 255], p);
+                    }
+                }
+                __syncthreads();
+                if (threadIdx.x == 0) {
+                    int b = 255;
+                    double acc = above;
+                    while (b >= 0 && !(hist[b] > 0 && acc + bin_sum[b] >= top_p)) acc += bin_sum[b--];
+                    shared_i = b;
+                    shared_d[0] = acc;
+                }
+                __syncthreads();
+                const int b = shared_i;
+                above = shared_d[0];
+                __syncthreads();
+                if (b < 0) {
+                    found = false;           // rounding: the whole mass is below top_p, keep all
+                } else {
+                    prefix |= (u64)b << shift;
+                    mask |= (u64)255 << shift;
+                }
+            }
+            if (found) {
+                const double tau = __longlong_as_double((long long)prefix);
+                // Ties at tau are taken in ascending id order until the cumulative sum reaches top_p.
+                const int per = (vocab + blockDim.x - 1) / blockDim.x;
+                const int lo = threadIdx.x * per, hi = min(vocab, lo + per);
+                int count = 0;
+                for (int i = lo; i < hi; ++i)
+                    if (xs[i] >= cut.kth && prob_of(xs[i], cut) == tau) ++count;
+                const int before = (int)block_exclusive_f64((double)count, scratch_d);
+                // Smallest r >= 1 with above + r * tau >= top_p, as the reference's cumulative sum.
+                int need = 1;
+                while (need < vocab && above + need * tau < top_p) ++need;
+                if (threadIdx.x == 0) shared_i = vocab;
+                __syncthreads();
+                if (before < need && before + count >= need) {
+                    int seen_ties = before;
+                    for (int i = lo; i < hi; ++i)
+                        if (xs[i] >= cut.kth && prob_of(xs[i], cut) == tau && ++seen_ties == need) shared_i = i;
+                }
+                __syncthreads();
+                cut.tau = tau;
+                cut.tie_id = shared_i;       // fewer ties than needed: all of them (vocab)
+            }
+        }
+        // 6. min-p: the most likely token always survives, and its probability is exp(0) / z.
+        if (min_p > 0.0) cut.min_p_floor = min_p * (1.0 / cut.z);
+        // 7. inverse CDF over survivors in id order, probabilities renormalised.
+        const int per = (vocab + blockDim.x - 1) / blockDim.x;
+        const int lo = threadIdx.x * per, hi = min(vocab, lo + per);
+        double mass = 0.0;
+        int last_kept = -1;
+        for (int i = lo; i < hi; ++i)
+            if (kept(xs[i], i, cut)) {
+                mass += prob_of(xs[i], cut);
+                last_kept = i;
+            }
+        const double total = block_sum_f64(mass, scratch_d);
+        double local = 0.0;
+        for (int i = lo; i < hi; ++i)
+            if (kept(xs[i], i, cut)) local += prob_of(xs[i], cut) / total;
+        const double start = block_exclusive_f64(local, scratch_d);
+        const double u = uniforms[min(state[STATE_STEP], n_uniforms - 1)];
+        ArgBest pick = {-TI_INF, 0};                  // value -id: the lowest id whose cumulative exceeds u
+        ArgBest fallback = {-1.0, 0};                   // value id: the last kept id
+        if (last_kept >= 0) fallback.value = (double)last_kept;
+        double cum = start;
+        if (start + local > u) {
+            for (int i = lo; i < hi; ++i)
+                if (kept(xs[i], i, cut)) {
+                    cum += prob_of(xs[i], cut) / total;
+                    if (cum > u) {
+                        pick.value = -(double)i;
+                        break;
+                    }
+                }
+        }
+        pick = block_argmax(pick, scratch_a);
+        fallback = block_argmax(fallback, scratch_a);
+        token = pick.value > -TI_INF ? (int)(-pick.value) : (int)fallback.value;
+        if (token < 0) token = best.index;              // nothing kept cannot happen; stay defined
+    }
+    if (threadIdx.x == 0) {
+        const int step = state[STATE_STEP];
+        state[STATE_TOKEN] = token;
+        if (step < out_cap) out_tokens[step] = token;
+        state[STATE_STEP] = step + 1;
+        state[STATE_POS] += 1;
+        if (penalise) seen[token] = 1;
+    }
+    // The next decode step starts from this token's embedding (no separate embedding launch).
+    const size_t row = (size_t)token * emb_cols_pad;
+    for (int k = threadIdx.x; k < dim; k += blockDim.x) x[k] = embedding_value(emb_table, emb_encoding, row + k);
+}

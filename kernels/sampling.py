@@ -1,0 +1,37 @@
+"""Launching the device sampler of sampling.cu; its reference is tinyinfer.runtime.sampling.sample()."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from tinyinfer.kernels.build import Launch, module
+
+THREADS = 1024
+P_TEMPERATURE, P_TOP_P, P_MIN_P, P_PENALTY, P_TOP_K, P_COUNT = 0, 1, 2, 3, 4, 8
+
+
+def params_array(params) -> np.ndarray:
+    """The float64 parameter block the kernel reads (from a SamplingParams)."""
+    out = np.zeros(P_COUNT, dtype=np.float64)
+    out[P_TEMPERATURE] = params.temperature
+    out[P_TOP_P] = params.top_p
+    out[P_MIN_P] = params.min_p
+    out[P_PENALTY] = params.repetition_penalty
+    out[P_TOP_K] = params.top_k
+    return out
+
+
+def compile_sampler(compute_capability: int):
+    return module("sampling.cu", (), compute_capability)
+
+
+def make_sampler(mod, vocab: int, logits, params, uniforms, seen, scratch, state, out_tokens,
+                 embedding, embedding_encoding: str, embedding_cols_pad: int, x) -> Launch:
+    """Pick the next token, feed it back through `state`, and write its embedding into x."""
+    from tinyinfer.kernels.misc import EMBEDDING_ID
+
+    kernel = mod.get_function("sample_token")
+    args = (logits, np.int32(vocab), params, uniforms, np.int32(uniforms.size), seen, scratch, state,
+            out_tokens, np.int32(out_tokens.size), embedding, np.int32(EMBEDDING_ID[embedding_encoding]),
+            np.int32(embedding_cols_pad), np.int32(x.size), x)
+    return Launch("sample+embed", kernel, (1,), (THREADS,), args, 0, bytes_read=4 * vocab)

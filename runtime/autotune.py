@@ -1,0 +1,84 @@
+"""Pick the fastest configuration of each GEMV shape at load time, and remember it.
+
+Each distinct (shape, fusion) is timed over its candidate configurations (row tiles R x warps per
+block) on the model's own weights: one launch per layer, so every launch streams weights that are
+not in L2, after an L2 flush and behind a GPU-side wait so the host's launch cost stays out of the
+measurement. The choices are saved in a user cache keyed by the file's tensor checksums, the GPU,
+its compute capability and the kernel sources, so a second load of the same file does not re-tune.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import statistics
+from pathlib import Path
+
+CACHE_VERSION = 1
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("TINYINFER_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "tinyinfer")
+    return Path(root) / "autotune"
+
+
+def cache_key(tinf, gpu_name: str, compute_capability: int, kernel_hash: str) -> str:
+    """The file is identified by its tensor directory (names, layout, CRC-32 of every tensor)."""
+    digest = hashlib.sha256()
+    for name in tinf.names:
+        info = tinf.info(name)
+        digest.update(f"{name}|{info.encoding}|{list(info.shape)}|{info.group}|{info.offset}|{info.crc32};".encode())
+    digest.update(f"{gpu_name}|{compute_capability}|{kernel_hash}|{CACHE_VERSION}".encode())
+    return digest.hexdigest()[:24]
+
+
+def load_cached(key: str) -> dict | None:
+    path = cache_dir() / f"{key}.json"
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return data.get("choices") if isinstance(data, dict) else None
+
+
+def save_cached(key: str, choices: dict, about: dict) -> Path | None:
+    """Write atomically; a read-only home only costs a re-tune next time."""
+    folder = cache_dir()
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        tmp = folder / f".{key}.{os.getpid()}.tmp"
+        tmp.write_text(json.dumps({"choices": choices, **about}, indent=1, sort_keys=True))
+        os.replace(tmp, folder / f"{key}.json")
+        return folder / f"{key}.json"
+    except OSError:
+        return None
+
+
+def time_launches(launches, stream, wait_factory, flush=None, repeats: int = 3) -> float:
+    """Median microseconds per launch of the sequence `launches`, run back to back on the GPU."""
+    import cupy as cp
+
+    times = []
+    for _ in range(repeats):
+        if flush is not None:
+            flush(stream)
+        wait_factory(20_000 * len(launches) + 50_000)(stream)   # covers the host's enqueue time
+        start = stream.record()
+        for launch in launches:
+            launch(stream)
+        end = stream.record()
+        end.synchronize()
+        times.append(cp.cuda.get_elapsed_time(start, end) * 1000.0 / len(launches))
+    return statistics.median(times)
+
+
+def tune(candidates: dict, stream, wait_factory, flush=None) -> tuple[dict, dict]:
+    """candidates: key -> {config: [Launch per layer]}. Returns (key -> best config, key -> {config: us})."""
+    best, timings = {}, {}
+    for key, by_config in candidates.items():
+        timings[key] = {config: time_launches(launches, stream, wait_factory, flush)
+                        for config, launches in by_config.items()}
+        best[key] = min(timings[key], key=timings[key].get)
+    return best, timings

@@ -1,0 +1,293 @@
+"""tinyrun MODEL --bench N: decode speed, bytes per token, bandwidth, and a per-kernel table.
+
+Decode speed is measured the way a user gets tokens: generate_ids() after a short prompt, the host
+reading every token back, tokens/s over the decode steps (first token excluded), median of several
+runs. Around it: the GPU time of one graph replay, a read-bandwidth probe run in the same process
+(the ceiling), and each kernel timed alone on the model's own weights (after an L2 flush, one launch
+per layer so no weight is read from cache) with its GB/s and % of that ceiling.
+
+Also here: write_random_model(), the random-weight .tinf writer behind examples/bench_random.py and
+the GPU tests (random codes and scales written directly: the same bytes and speed as a converted
+checkpoint, without quantizing billions of floats).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import statistics
+import sys
+import time
+
+import numpy as np
+
+from tinyinfer.formats import TinyInferError
+
+READ_PROBE_BYTES = 4 << 30
+
+
+class BenchError(TinyInferError):
+    """The benchmark cannot run with this model or backend."""
+
+
+# ------------------------------------------------------------------------------------ random models
+
+def random_encoded(encoding: str, shape, group: int | None, rng, std: float = 1.0):
+    """A Tensor of the given encoding with random values of about `std` (random bit patterns: fast
+    enough for 7B-sized tensors, no quantization search)."""
+    from tinyinfer.formats import Tensor
+    from tinyinfer.formats.quant import padded_cols, rows_cols
+
+    rows, cols = rows_cols(shape)
+    cols_pad = padded_cols(encoding, cols, group)
+    if encoding in ("f16", "f32"):
+        data = random_f16(rng, (rows, cols_pad), std)
+        data[:, cols:] = 0
+        return Tensor(encoding, tuple(shape), data if encoding == "f16" else data.astype(np.float32))
+    if encoding == "q4":           # codes -7..7 (zero mean, like trained weights), std 4.32
+        nibbles = rng.integers(1, 16, size=(rows, cols_pad), dtype=np.uint8)
+        nibbles[:, cols:] = 8
+        data = nibbles[:, 0::2] | (nibbles[:, 1::2] << 4)
+        code_std = 4.32
+    else:                          # codes -127..127, std 73.3
+        data = rng.integers(-127, 128, size=(rows, cols_pad), dtype=np.int8)
+        data[:, cols:] = 0
+        code_std = 73.3
+    scales = (std / code_std * rng.uniform(0.5, 1.5, size=(rows, cols_pad // group))).astype(np.float16)
+    return Tensor(encoding, tuple(shape), data, scales, group)
+
+
+def random_f16(rng, shape, std: float) -> np.ndarray:
+    """fp16 values with random sign and mantissa, magnitudes in [std/2, 2 std)."""
+    exponent = int(np.floor(np.log2(std))) + 14          # fp16 biased exponent of std / 2
+    bits = rng.integers(0, 1 << 16, size=shape, dtype=np.uint16)
+    np.bitwise_and(bits, 0x87FF, out=bits)                # sign, 1 exponent bit, 10 mantissa bits
+    np.add(bits, np.uint16(exponent << 10), out=bits)     # no carry into the sign: exponent + 1 < 31
+    return bits.view(np.float16)
+
+
+def synthetic_tokenizer(vocab_size: int) -> dict:
+    """A word-level tokenizer with exactly vocab_size ids (w3, w4, ...), for models without one."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    vocab.update({f"w{i}": i for i in range(3, vocab_size)})
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    return {"kind": "hf-json", "tokenizer_json": tokenizer.to_str(), "tokenizer_model": None, "bos_id": 1,
+            "eos_ids": [2], "add_bos": True, "special_tokens": {"bos_token": "<s>", "eos_token": "</s>",
+                                                                 "unk_token": "<unk>"}}
+
+
+def tinf_config(hf: dict, n_layers: int | None = None) -> dict:
+    """.tinf config from a Hugging Face config.json dict (optionally with fewer layers)."""
+    n_heads = hf["num_attention_heads"]
+    return {"architecture": "llama", "dim": hf["hidden_size"], "n_layers": n_layers or hf["num_hidden_layers"],
+            "n_heads": n_heads, "n_kv_heads": hf.get("num_key_value_heads", n_heads),
+            "head_dim": hf.get("head_dim") or hf["hidden_size"] // n_heads, "ffn_dim": hf["intermediate_size"],
+            "vocab_size": hf["vocab_size"], "norm_eps": float(hf.get("rms_norm_eps", 1e-5)),
+            "rope_theta": float(hf.get("rope_theta", 10000.0)), "rope_scaling": hf.get("rope_scaling"),
+            "max_context": hf.get("max_position_embeddings", 2048),
+            "tied_embeddings": bool(hf.get("tie_word_embeddings", False))}
+
+
+def write_random_model(path, config: dict, quant: str = "q4", group: int = 64, seed: int = 0,
+                       reuse_layers: bool = False):
+    """Write a .tinf with random weights in the encodings the converter would use for `quant`.
+
+    reuse_layers=True writes the same random bytes for every layer (fast for 7B-sized benchmarks;
+    each layer is still its own region of the file and of GPU memory)."""
+    from tinyinfer.convert.pipeline import tensor_specs
+    from tinyinfer.formats import Tensor, TinfWriter
+
+    rng = np.random.default_rng(seed)
+    specs = tensor_specs(config, quant, group, None)
+    metadata = {"config": config, "tokenizer": synthetic_tokenizer(config["vocab_size"]), "chat_template": None,
+                "generation": {}, "provenance": {"source": "random", "quant": quant, "group_size": group}}
+    made = {}
+    with TinfWriter(path, metadata, specs) as writer:
+        for spec in specs:
+            role = spec.name.split(".")[-1]
+            if reuse_layers and role in made:
+                tensor = made[role]
+            elif len(spec.shape) == 1:         # norm weights near 1
+                values = (1.0 + 0.1 * rng.standard_normal(spec.shape[0])).astype(np.float32)
+                tensor = Tensor("f32", tuple(spec.shape), np.pad(values, (0, -len(values) % 4))[None, :])
+            else:
+                std = 1.0 if spec.name == "tok_embeddings" else 1.0 / np.sqrt(spec.shape[1])
+                tensor = random_encoded(spec.encoding, spec.shape, spec.group, rng, std)
+            if reuse_layers:
+                made[role] = tensor
+            writer.write(spec.name, tensor)
+    return path
+
+
+# ------------------------------------------------------------------------------------------ bench
+
+def bench_prompt(model, length: int) -> list[int]:
+    """A fixed prompt of `length` ids: BOS (if any) then the tokenization of some text, cut or padded."""
+    text = "Once upon a time, in a small town by the sea, there lived an old clockmaker who " * 4
+    ids = list(model.tokenizer.encode(text))
+    while len(ids) < length:
+        ids += [i % model.config["vocab_size"] for i in range(3, 3 + length)]
+    return ids[:length]
+
+
+def timed_generation(backend, prompt, n_tokens: int) -> tuple[list[int], list[float]]:
+    from tinyinfer.runtime.sampling import SamplingParams
+
+    tokens, stamps = [], []
+    for token in backend.generate_ids(prompt, 0, SamplingParams(), n_tokens, np.random.default_rng(0)):
+        stamps.append(time.perf_counter())
+        tokens.append(token)
+    return tokens, stamps
+
+
+def graph_step_us(backend, prompt, n_steps: int) -> float:
+    """GPU time per decode step: back-to-back graph replays timed with events."""
+    cp = backend.cp
+    backend.forward(np.asarray(prompt), 0)
+    with backend.stream:
+        backend.set_state(len(prompt), int(prompt[-1]), 0)
+        start = backend.stream.record()
+        for _ in range(n_steps):
+            backend.graph.launch(backend.stream)
+        end = backend.stream.record()
+        end.synchronize()
+    return cp.cuda.get_elapsed_time(start, end) * 1000.0 / n_steps
+
+
+def read_bandwidth_gbs(backend) -> float:
+    """Ceiling: one kernel reading a large buffer with 16-byte loads (median of 5)."""
+    from tinyinfer.kernels import misc as misc_k
+    from tinyinfer.runtime.autotune import time_launches
+
+    cp = backend.cp
+    size = min(READ_PROBE_BYTES, cp.cuda.Device().mem_info[0] // 3) // 16 * 16
+    with backend.stream:
+        data = cp.ones(size, dtype=cp.uint8)
+        sink = cp.zeros(1, dtype=cp.uint32)
+        probe = misc_k.make_read_bandwidth(backend.misc_module, data, sink, backend.n_sms)
+        probe(backend.stream)
+        us = time_launches([probe], backend.stream, backend.wait_launch, None, repeats=5)
+    del data
+    return size / us / 1e3
+
+
+def kernel_table(backend, context: int, peak_gbs: float) -> list[dict]:
+    """Each kernel of the step timed alone: us per launch, launches per token, GB/s, % of peak."""
+    from tinyinfer.runtime.autotune import time_launches
+    from tinyinfer.runtime.sampling import SamplingParams
+
+    flush = backend.flush_l2()
+    rows = []
+    with backend.stream:
+        backend.set_state(context - 1, 1, 0)
+        groups = {}
+        for launch in backend.step:
+            groups.setdefault(launch.name, []).append(launch)
+        for name, launches in groups.items():
+            if name.startswith("sample"):
+                backend.set_sampling(SamplingParams())
+            us = time_launches(launches, backend.stream, backend.wait_launch, flush)
+            if name.startswith("attention"):
+                launches[0].bytes_read = 2 * context * backend.n_kv * backend.head_dim * 2
+            bytes_read = launches[0].bytes_read
+            shape = ""
+            if name.startswith("gemv"):
+                s = backend.shapes[name.split()[1]]
+                shape = f"{s.rows}x{s.cols} {s.encoding}" + (f" g{s.group}" if s.group else "")
+            elif name.startswith("attention"):
+                shape = f"{backend.n_heads}/{backend.n_kv} heads x {backend.head_dim}, ctx {context}"
+            gbs = bytes_read / us / 1e3 if bytes_read else 0.0
+            rows.append({"kernel": name, "shape": shape, "per_token": len(launches), "us": round(us, 2),
+                         "us_per_token": round(us * len(launches), 1), "bytes": bytes_read,
+                         "gbs": round(gbs, 1), "pct_peak": round(100 * gbs / peak_gbs, 1)})
+        backend._flush = backend._flush_buffer = None
+        backend.set_state(0, 1, 0)
+    return rows
+
+
+def weight_bytes_per_token(backend) -> int:
+    return sum(launch.bytes_read for launch in backend.step if launch.name.startswith("gemv")) + backend.embed.bytes_read
+
+
+def run_bench(model, n_tokens: int = 256, prompt_len: int = 16, reps: int = 3, json_path=None) -> dict:
+    backend = model.backend
+    if not hasattr(backend, "graph"):
+        raise BenchError("--bench measures the CUDA backend; run it on a machine with an NVIDIA GPU "
+                         "without --device cpu.")
+    if prompt_len + n_tokens > backend.max_context:
+        raise BenchError(f"A {prompt_len}-token prompt plus {n_tokens} new tokens exceeds the context of "
+                         f"{backend.max_context}; ask for fewer tokens.")
+    prompt = bench_prompt(model, prompt_len)
+    timed_generation(backend, prompt, min(n_tokens, 32))            # warm-up
+    runs = []
+    for _ in range(reps):
+        tokens, stamps = timed_generation(backend, prompt, n_tokens)
+        runs.append((len(tokens) - 1) / (stamps[-1] - stamps[0]) if len(tokens) > 1 else 0.0)
+    tok_s = statistics.median(runs)
+    step_us = graph_step_us(backend, prompt, n_tokens)
+    peak = read_bandwidth_gbs(backend)
+    final_context = prompt_len + n_tokens
+    kernels = kernel_table(backend, final_context, peak)
+    weights = weight_bytes_per_token(backend)
+    kv_per_position = 2 * backend.n_layers * backend.n_kv * backend.head_dim * 2
+    kv_avg = kv_per_position * (prompt_len + n_tokens / 2)
+    bytes_per_token = weights + kv_avg
+    kernel_us = sum(row["us_per_token"] for row in kernels)
+    cp = backend.cp
+    from tinyinfer.runtime.cuda_prefill import prefill_report
+
+    prefill = prefill_report(model)       # pp512 / pp2048 (prompt tok/s) and time to first token
+    result = {
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "gpu": backend.gpu_name, "compute_capability": backend.compute_capability,
+        "driver": cp.cuda.runtime.driverGetVersion(), "cuda_runtime": cp.cuda.runtime.runtimeGetVersion(),
+        "cupy": cp.__version__, "model": str(model.tinf.path),
+        "config": {k: model.config[k] for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size")},
+        "encodings": {role: f"{s.encoding}" + (f" g{s.group}" if s.group else "") for role, s in backend.shapes.items()},
+        "n_tokens": n_tokens, "prompt_len": prompt_len, "reps": reps,
+        "tok_s": round(tok_s, 1), "runs_tok_s": [round(r, 1) for r in runs],
+        "graph_step_us": round(step_us, 1), "graph_tok_s": round(1e6 / step_us, 1),
+        "kernels_per_token": len(backend.step), "kernel_sum_us": round(kernel_us, 1),
+        "gap_us": round(step_us - kernel_us, 1),
+        "weight_bytes_per_token": weights, "kv_bytes_per_token_avg": int(kv_avg),
+        "bytes_per_token": int(bytes_per_token), "achieved_gbs": round(bytes_per_token * tok_s / 1e9, 1),
+        "read_bandwidth_gbs": round(peak, 1),
+        "pct_of_read_bandwidth": round(100 * bytes_per_token * tok_s / 1e9 / peak, 1),
+        "roofline_tok_s": round(peak * 1e9 / bytes_per_token, 1),
+        "load": {k: round(v, 3) for k, v in backend.timings.items()},
+        "tuning": {role: c.as_dict() for role, c in backend.tuning.items()}, "tuning_source": backend.tuning_source,
+        "kernels": kernels, "prefill": prefill,
+    }
+    print(format_report(result), file=sys.stderr)
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(result, f, indent=2)
+    return result
+
+
+def format_report(r: dict) -> str:
+    from tinyinfer.runtime.cuda_prefill import format_prefill
+
+    lines = [
+        f"{r['gpu']} (sm_{r['compute_capability']}), driver {r['driver']}, {r['date']}",
+        f"model {r['model']}: {r['config']} {r['encodings']}",
+        f"decode {r['n_tokens']} tokens after a {r['prompt_len']}-token prompt, {r['reps']} runs: "
+        f"{r['tok_s']:.1f} tok/s (runs {r['runs_tok_s']})",
+        f"graph replay {r['graph_step_us']:.1f} us/token ({r['graph_tok_s']:.0f} tok/s), {r['kernels_per_token']} "
+        f"kernels; kernels alone {r['kernel_sum_us']:.1f} us, launch gaps ~{r['gap_us']:.1f} us",
+        f"bytes/token {r['bytes_per_token'] / 1e9:.3f} GB (weights {r['weight_bytes_per_token'] / 1e9:.3f} GB), "
+        f"achieved {r['achieved_gbs']:.0f} GB/s = {r['pct_of_read_bandwidth']:.1f}% of the measured read bandwidth "
+        f"{r['read_bandwidth_gbs']:.0f} GB/s (roofline {r['roofline_tok_s']:.0f} tok/s)",
+        f"load {r['load'].get('load_s', 0):.2f} s {r['load']}, tuning {r['tuning_source']}",
+        format_prefill(r["prefill"]) if "prefill" in r else "",
+        "",
+        f"| kernel | shape | per token | us | us/token | GB/s | % of peak |",
+        f"|---|---|---|---|---|---|---|",
+    ]
+    for k in r["kernels"]:
+        lines.append(f"| {k['kernel']} | {k['shape']} | {k['per_token']} | {k['us']:.2f} | {k['us_per_token']:.1f} | "
+                     f"{k['gbs']:.0f} | {k['pct_peak']:.1f} |")
+    return "\n".join(lines)

@@ -1,0 +1,468 @@
+"""The CUDA backend: weights on the GPU as stored, hand-written kernels, one CUDA graph per token.
+
+A decode step is a fixed sequence of kernel launches over buffers allocated once:
+
+    per layer [ qkv GEMV (RMSNorm fused in its input stage)
+                attention (RoPE + KV append + split-K softmax + merge, one kernel)
+                o GEMV (+= residual)
+                gate/up GEMV (RMSNorm fused)
+                down GEMV (SwiGLU fused in its input, += residual) ]
+    -> output GEMV (final RMSNorm fused) -> sampler (picks the token, embeds it into x)
+
+5 kernels per layer + 2. The position, the current token and the step index live in a small device
+array that the kernels read and the sampler advances, so the whole step is captured once as a CUDA
+graph and replayed with no host work in between: the host launches several steps ahead and only
+reads tokens back. Tokens the host feeds (prompts, forward()) are embedded by a separate launch.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import numpy as np
+
+from tinyinfer.kernels import attention as attn_k
+from tinyinfer.kernels import build
+from tinyinfer.kernels import gemv as gemv_k
+from tinyinfer.kernels import misc as misc_k
+from tinyinfer.kernels import sampling as sample_k
+from tinyinfer.runtime import autotune, cuda_prefill, tune_in_file
+from tinyinfer.runtime import reference as ref
+from tinyinfer.runtime.backend import Backend
+from tinyinfer.runtime.errors import ContextOverflowError, DeviceError
+from tinyinfer.runtime.sampling import SamplingParams
+from tinyinfer.runtime.weights_upload import data_extent, upload_weights
+
+H2D, D2H, D2D = 1, 2, 3
+LOOKAHEAD = 16          # decode steps queued ahead of the token the host is waiting for
+MARGIN_BYTES = 256 << 20
+GREEDY = SamplingParams()
+
+
+def memory_plan(weight_bytes: int, kv_bytes: int, scratch_bytes: int, free_bytes: int) -> dict:
+    """What the model needs on the GPU, and whether it fits in the free memory."""
+    need = weight_bytes + kv_bytes + scratch_bytes + MARGIN_BYTES
+    return {"weights": weight_bytes, "kv_cache": kv_bytes, "scratch": scratch_bytes, "total": need,
+            "free": free_bytes, "fits": need <= free_bytes}
+
+
+def describe_plan(plan: dict, max_context: int) -> str:
+    gib = 2.0 ** 30
+    return (f"GPU memory: weights {plan['weights'] / gib:.2f} GiB + KV cache {plan['kv_cache'] / gib:.2f} GiB "
+            f"({max_context} positions) + scratch {plan['scratch'] / gib:.2f} GiB = {plan['total'] / gib:.2f} GiB "
+            f"of {plan['free'] / gib:.2f} GiB free")
+
+
+def check_plan(plan: dict, max_context: int) -> None:
+    if not plan["fits"]:
+        raise DeviceError(f"The model does not fit on this GPU ({describe_plan(plan, max_context)}); "
+                          "load it with a smaller max_context or convert it with a smaller quantization (q4).")
+
+
+def check_encodings(tinf) -> None:
+    """The kernels read linears as f16/q8/q4, the embedding as f16/f32/bf16 and norms as f32."""
+    c = tinf.config
+    linears = ["output"] + [f"layers.{i}.{n}" for i in range(c["n_layers"]) for n in ("wqkv", "wo", "w_gate_up", "w_down")]
+    for name in linears:
+        if tinf.info(name).encoding not in gemv_k.SUPPORTED:
+            raise DeviceError(f"{name} is stored as {tinf.info(name).encoding}, which the CUDA kernels do not read; "
+                              "convert the model with --quant q4, q8 or f16.")
+    if tinf.info("tok_embeddings").encoding not in misc_k.EMBEDDING_ID:
+        raise DeviceError(f"tok_embeddings is stored as {tinf.info('tok_embeddings').encoding}; "
+                          "convert the model again (embeddings are written as f16).")
+    norms = ["norm"] + [f"layers.{i}.{n}" for i in range(c["n_layers"]) for n in ("attn_norm", "ffn_norm")]
+    for name in norms:
+        if tinf.info(name).encoding != "f32":
+            raise DeviceError(f"{name} is stored as {tinf.info(name).encoding}, not f32; convert the model again.")
+
+
+class CudaBackend(Backend):
+    def __init__(self, tinf_file, verbose: bool = False, max_context: int | None = None):
+        import cupy as cp
+
+        started = time.perf_counter()
+        self.cp = cp
+        self.tinf = tinf_file
+        self.verbose = verbose
+        self.config = c = tinf_file.config
+        self.max_context = min(max_context or c["max_context"], c["max_context"])
+        self.dim, self.n_layers, self.vocab = c["dim"], c["n_layers"], c["vocab_size"]
+        self.n_heads, self.n_kv, self.head_dim, self.ffn = c["n_heads"], c["n_kv_heads"], c["head_dim"], c["ffn_dim"]
+        self.inspect_device()
+        check_encodings(tinf_file)
+        if self.head_dim % 8 or self.head_dim > attn_k.MAX_HEAD_DIM:
+            raise DeviceError(f"head_dim {self.head_dim} is not supported by the CUDA attention kernel (a multiple "
+                              f"of 8, at most {attn_k.MAX_HEAD_DIM}); run with --device cpu.")
+        self.slices = attn_k.n_slices(self.n_kv, self.max_context, self.n_sms)
+        self.plan = memory_plan(data_extent(tinf_file), self.kv_bytes(), self.scratch_bytes(),
+                                cp.cuda.Device().mem_info[0])
+        check_plan(self.plan, self.max_context)
+        self.log(describe_plan(self.plan, self.max_context))
+
+        self.stream = cp.cuda.Stream(non_blocking=True)
+        self.timings = {}
+        tick = time.perf_counter()
+        self.weights = upload_weights(tinf_file, self.stream, progress=None)
+        self.timings["upload_s"] = time.perf_counter() - tick
+        with self.stream:
+            tick = time.perf_counter()
+            self.allocate()
+            self.compile()
+            self.timings["compile_s"] = time.perf_counter() - tick
+            tick = time.perf_counter()
+            self.tuning = self.tune()
+            self.timings["tune_s"] = time.perf_counter() - tick
+            tick = time.perf_counter()
+            self.step = self.build_step(self.tuning)
+            self.graph = self.capture(self.step)
+            self.timings["capture_s"] = time.perf_counter() - tick
+        self.stream.synchronize()
+        self.timings["load_s"] = time.perf_counter() - started
+        self.log(self.describe())
+
+    # ------------------------------------------------------------------------------- setup
+
+    def log(self, message: str) -> None:
+        if self.verbose:
+            print(message, file=sys.stderr)
+
+    def inspect_device(self) -> None:
+        cp = self.cp
+        device = cp.cuda.Device()
+        props = cp.cuda.runtime.getDeviceProperties(device.id)
+        self.gpu_name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
+        self.compute_capability = int(device.compute_capability)
+        self.n_sms = int(props["multiProcessorCount"])
+        self.l2_bytes = int(props.get("l2CacheSize", 64 << 20))
+        if self.compute_capability < build.MIN_COMPUTE_CAPABILITY:
+            raise DeviceError(f"{self.gpu_name} has compute capability {self.compute_capability / 10:.1f}; the CUDA "
+                              "backend needs 7.5 (Turing) or newer, so run with --device cpu.")
+
+    def kv_bytes(self) -> int:
+        return 2 * self.n_layers * self.max_context * self.n_kv * self.head_dim * 2
+
+    def scratch_bytes(self) -> int:
+        q_rows = (self.n_heads + 2 * self.n_kv) * self.head_dim
+        floats = 2 * self.dim + q_rows + self.n_heads * self.head_dim + 2 * self.ffn + self.vocab
+        floats += self.n_heads * self.slices * (self.head_dim + 2) + 2 * self.max_context * self.head_dim
+        tuning_flush = 2 * self.l2_bytes
+        return 4 * floats + 8 * (2 * self.vocab + self.max_context) + tuning_flush
+
+    def view(self, name: str):
+        info = self.tinf.info(name)
+        return self.weights[info.offset: info.offset + info.nbytes]
+
+    def f32_view(self, name: str):
+        return self.view(name).view(self.cp.float32)
+
+    def allocate(self) -> None:
+        """Every buffer the step touches, allocated before capture and kept for the backend's life."""
+        cp, c = self.cp, self.config
+        hd, ctx = self.head_dim, self.max_context
+        self.x = cp.zeros(self.dim, dtype=cp.float32)
+        self.qkv = cp.zeros((self.n_heads + 2 * self.n_kv) * hd, dtype=cp.float32)
+        self.attn = cp.zeros(self.n_heads * hd, dtype=cp.float32)
+        self.gate_up = cp.zeros(2 * self.ffn, dtype=cp.float32)
+        self.logits = cp.zeros(self.vocab, dtype=cp.float32)
+        self.k_cache = cp.zeros((self.n_layers, ctx, self.n_kv, hd), dtype=cp.float16)
+        self.v_cache = cp.zeros((self.n_layers, ctx, self.n_kv, hd), dtype=cp.float16)
+        cos, sin = ref.rope_tables(hd, ctx, c["rope_theta"], c.get("rope_scaling"))
+        self.rope_cos, self.rope_sin = cp.asarray(cos), cp.asarray(sin)
+        self.part_o = cp.zeros(self.n_heads * self.slices * hd, dtype=cp.float32)
+        self.part_ml = cp.zeros(self.n_heads * self.slices * 2, dtype=cp.float32)
+        self.counters = cp.zeros(self.n_kv, dtype=cp.uint32)
+        self.state = cp.zeros(4, dtype=cp.int32)
+        self.out_tokens = cp.zeros(ctx + 1, dtype=cp.int32)
+        self.params = cp.asarray(sample_k.params_array(GREEDY))
+        self.uniforms = cp.zeros(ctx + 1, dtype=cp.float64)
+        self.seen = cp.zeros(self.vocab, dtype=cp.uint8)
+        self.sample_scratch = cp.zeros(self.vocab, dtype=cp.float64)
+        import cupyx
+
+        self.host_tokens = cupyx.zeros_pinned(ctx + 1, dtype=np.int32)
+
+    def gemv_shapes(self) -> dict:
+        """(role -> GemvShape) for the five matrices of the model."""
+        info = self.tinf.info
+        return {
+            "wqkv": gemv_k.shape_of(info("layers.0.wqkv"), "rmsnorm", "store"),
+            "wo": gemv_k.shape_of(info("layers.0.wo"), "plain", "add"),
+            "w_gate_up": gemv_k.shape_of(info("layers.0.w_gate_up"), "rmsnorm", "store"),
+            "w_down": gemv_k.shape_of(info("layers.0.w_down"), "swiglu", "add"),
+            "output": gemv_k.shape_of(info("output"), "rmsnorm", "store"),
+        }
+
+    def layer_shape(self, role: str, layer: int):
+        """Every layer must match layer 0 (one tuned config per role)."""
+        name = "output" if role == "output" else f"layers.{layer}.{role}"
+        shape = self.shapes[role]
+        info = self.tinf.info(name)
+        if (info.encoding, info.group or 0) != (shape.encoding, shape.group):
+            raise DeviceError(f"{name} is {info.encoding} (group {info.group}) unlike layer 0; the CUDA backend "
+                              "needs one encoding per matrix role, so convert the model again.")
+        return name
+
+    def compile(self) -> None:
+        cc = self.compute_capability
+        self.shapes = self.gemv_shapes()
+        items = [(shape, rt) for shape in self.shapes.values() for rt, _ in gemv_k.CANDIDATES]
+        self.gemv_module, _ = gemv_k.compile_gemvs(items, cc)
+        self.attn_module = attn_k.compile_attention(cc)
+        self.misc_module = misc_k.compile_misc(cc)
+        self.sample_module = sample_k.compile_sampler(cc)
+        # Force NVRTC now, so its time is not charged to tuning.
+        for shape in self.shapes.values():
+            for rt, _ in gemv_k.CANDIDATES:
+                self.gemv_module.get_function(gemv_k.name_expression(shape, rt))
+        self.attn_module.get_function("attention<true>")
+        self.misc_module.get_function("embed")
+        self.sample_module.get_function("sample_token")
+
+    # ------------------------------------------------------------------------------ launches
+
+    def gemv_launch(self, role: str, layer: int, config: gemv_k.GemvConfig):
+        eps = float(self.config["norm_eps"])
+        name = self.layer_shape(role, layer)
+        shape = self.shapes[role]
+        if role == "wqkv":
+            x, y, aux = self.x, self.qkv, self.f32_view(f"layers.{layer}.attn_norm")
+        elif role == "wo":
+            x, y, aux = self.attn, self.x, None
+        elif role == "w_gate_up":
+            x, y, aux = self.x, self.gate_up, self.f32_view(f"layers.{layer}.ffn_norm")
+        elif role == "w_down":
+            x, y, aux = self.gate_up, self.x, None
+        else:
+            x, y, aux = self.x, self.logits, self.f32_view("norm")
+        return gemv_k.make_gemv(self.gemv_module, shape, config, self.view(name), x, y, aux, eps,
+                                name=f"gemv {role}")
+
+    def attention_launch(self, layer: int):
+        kv_row_bytes = self.n_kv * self.head_dim * 2
+        return attn_k.make_attention(
+            self.attn_module, self.n_heads, self.n_kv, self.head_dim, self.slices, self.qkv,
+            self.k_cache[layer], self.v_cache[layer], self.state, self.rope_cos, self.rope_sin,
+            self.part_o, self.part_ml, self.counters, self.attn, kv_bytes=2 * kv_row_bytes)
+
+    def embed_launch(self):
+        info = self.tinf.info("tok_embeddings")
+        from tinyinfer.formats.quant import padded_cols
+
+        cols_pad = padded_cols(info.encoding, self.dim, None)
+        return misc_k.make_embed(self.misc_module, self.view("tok_embeddings"), info.encoding, cols_pad, self.dim,
+                                 self.state, self.x)
+
+    def sampler_launch(self):
+        info = self.tinf.info("tok_embeddings")
+        from tinyinfer.formats.quant import padded_cols
+
+        return sample_k.make_sampler(self.sample_module, self.vocab, self.logits, self.params, self.uniforms,
+                                     self.seen, self.sample_scratch, self.state, self.out_tokens,
+                                     self.view("tok_embeddings"), info.encoding,
+                                     padded_cols(info.encoding, self.dim, None), self.x)
+
+    def build_step(self, tuning: dict) -> list:
+        """One token: the layers, the output head and the sampler (which also embeds the token it
+        picks, so x is ready for the next replay). Tokens fed by the host go through self.embed."""
+        self.embed = self.embed_launch()
+        step = []
+        for layer in range(self.n_layers):
+            step.append(self.gemv_launch("wqkv", layer, tuning["wqkv"]))
+            step.append(self.attention_launch(layer))
+            step.append(self.gemv_launch("wo", layer, tuning["wo"]))
+            step.append(self.gemv_launch("w_gate_up", layer, tuning["w_gate_up"]))
+            step.append(self.gemv_launch("w_down", layer, tuning["w_down"]))
+        step.append(self.gemv_launch("output", 0, tuning["output"]))
+        step.append(self.sampler_launch())
+        return step
+
+    def capture(self, launches):
+        stream = self.stream
+        stream.begin_capture()
+        try:
+            for launch in launches:
+                launch(stream)
+        finally:
+            graph = stream.end_capture()
+        graph.upload(stream)
+        return graph
+
+    # ------------------------------------------------------------------------------ tuning
+
+    def wait_launch(self, nanoseconds: int):
+        return misc_k.make_wait(self.misc_module, nanoseconds)
+
+    def flush_l2(self):
+        """A launch that reads a buffer twice the L2 size, evicting the weights of earlier timings."""
+        cp = self.cp
+        if getattr(self, "_flush", None) is None:
+            self._flush_buffer = cp.ones(2 * self.l2_bytes // 16 * 16, dtype=cp.uint8)
+            self._flush_sink = cp.zeros(1, dtype=cp.uint32)
+            self._flush = misc_k.make_read_bandwidth(self.misc_module, self._flush_buffer, self._flush_sink,
+                                                     self.n_sms)
+        return self._flush
+
+    def tune(self) -> dict:
+        # Choices shipped in the file for exactly this GPU and kernel build come first (HUB.md).
+        shipped, message = tune_in_file.shipped_gemv_configs(self.tinf, tune_in_file.backend_key(self),
+                                                             list(self.shapes))
+        self.log(message)
+        if shipped is not None:
+            self.tuning_source, self.tuning_times = "file", {}
+            return shipped
+        key = autotune.cache_key(self.tinf, self.gpu_name, self.compute_capability, build.source_hash())
+        cached = autotune.load_cached(key)
+        roles = list(self.shapes)
+        if cached and all(role in cached for role in roles):
+            self.tuning_source = "cache"
+            self.tuning_times = {}
+            return {role: gemv_k.GemvConfig(**cached[role]) for role in roles}
+        candidates = {}
+        for role in roles:
+            layers = [0] if role == "output" else range(self.n_layers)
+            candidates[role] = {gemv_k.GemvConfig(rt, warps): [self.gemv_launch(role, layer, gemv_k.GemvConfig(rt, warps))
+                                                                 for layer in layers]
+                                for rt, warps in gemv_k.CANDIDATES}
+        self.x.fill(0.5)
+        self.gate_up.fill(0.5)
+        self.attn.fill(0.5)
+        best, self.tuning_times = autotune.tune(candidates, self.stream, self.wait_launch, self.flush_l2())
+        self._flush = self._flush_buffer = None
+        self.tuning_source = "measured"
+        autotune.save_cached(key, {role: best[role].as_dict() for role in roles},
+                             {"gpu": self.gpu_name, "compute_capability": self.compute_capability,
+                              "file": str(self.tinf.path), "shapes": {r: self.shapes[r].key for r in roles}})
+        return best
+
+    def describe(self) -> str:
+        lines = [f"cuda backend: {self.gpu_name} (sm_{self.compute_capability}, {self.n_sms} SMs), "
+                 f"{len(self.step)} kernels per token in one CUDA graph, attention "
+                 f"{'tiled (grouped heads)' if attn_k.use_tile(self.n_heads, self.n_kv) else 'split-K'} "
+                 f"x {self.slices} slices",
+                 f"load {self.timings['load_s']:.2f} s (upload {self.timings['upload_s']:.2f} s, compile "
+                 f"{self.timings['compile_s']:.2f} s, tune {self.timings['tune_s']:.2f} s [{self.tuning_source}], "
+                 f"capture {self.timings['capture_s']:.2f} s)"]
+        for role, config in self.tuning.items():
+            times = self.tuning_times.get(role, {})
+            detail = ", ".join(f"R{c.row_tiles}/w{c.warps} {t:.1f}us" for c, t in sorted(
+                times.items(), key=lambda item: item[1]))
+            lines.append(f"  {self.shapes[role].key:40s} R={config.row_tiles} warps={config.warps}"
+                         + (f"  ({detail})" if detail else ""))
+        return "\n".join(lines)
+
+    # ------------------------------------------------------------------------------ running
+
+    def upload(self, device_array, host_array, offset_bytes: int = 0) -> None:
+        """Stream-ordered copy of a small host array (pageable: staged by the driver at once)."""
+        host_array = np.ascontiguousarray(host_array)
+        self.cp.cuda.runtime.memcpyAsync(device_array.data.ptr + offset_bytes, host_array.ctypes.data,
+                                         host_array.nbytes, H2D, self.stream.ptr)
+
+    def set_state(self, pos: int, token: int, step: int = 0) -> None:
+        """Position, current token (embedded into x here) and output index for the next replay."""
+        self.upload(self.state, np.array([pos, token, step, 0], dtype=np.int32))
+        self.embed(self.stream)
+
+    def set_sampling(self, params: SamplingParams) -> None:
+        self.upload(self.params, sample_k.params_array(params))
+
+    def check_room(self, last_position: int) -> None:
+        if last_position >= self.max_context:
+            raise ContextOverflowError(f"Position {last_position} is beyond the model's context of "
+                                       f"{self.max_context} tokens; use a shorter prompt or fewer new tokens.")
+
+    def reset(self) -> None:
+        pass  # positions >= start_pos are written before they are read
+
+    def run_steps(self, token_ids: np.ndarray, start_pos: int, logits_out=None) -> None:
+        """Queue one graph replay per token, teacher-forced, optionally copying each step's logits."""
+        cp = self.cp
+        ids = cp.asarray(np.asarray(token_ids, dtype=np.int32))
+        self.set_state(start_pos, int(token_ids[0]))
+        self.set_sampling(GREEDY)
+        for i in range(len(token_ids)):
+            if i:
+                cp.cuda.runtime.memcpyAsync(self.state.data.ptr + 4, ids.data.ptr + 4 * i, 4, D2D, self.stream.ptr)
+                self.embed(self.stream)
+            self.graph.launch(self.stream)
+            if logits_out is not None:
+                cp.cuda.runtime.memcpyAsync(logits_out[i].data.ptr, self.logits.data.ptr, 4 * self.vocab, D2D,
+                                            self.stream.ptr)
+        self._ids_alive = ids   # keep the ids buffer until the queued copies have run
+
+    def forward(self, token_ids, start_pos: int) -> np.ndarray:
+        token_ids = np.asarray(token_ids, dtype=np.int64).ravel()
+        self.check_room(start_pos + token_ids.size - 1)
+        self.stream.synchronize()
+        with self.stream:
+            prefill = cuda_prefill.for_prompt(self, token_ids.size)   # long prompts: chunked GEMMs
+            if prefill is not None:
+                out = prefill.run(token_ids, start_pos, "all")
+            else:
+                out = self.cp.empty((token_ids.size, self.vocab), dtype=self.cp.float32)
+                self.run_steps(token_ids, start_pos, out)
+            result = out.get(stream=self.stream)
+        self.stream.synchronize()
+        return result
+
+    def decode_forward(self, token_ids, start_pos: int) -> np.ndarray:
+        """Logits [T, vocab] from the decode engine alone: one graph replay per token (no prefill)."""
+        token_ids = np.asarray(token_ids, dtype=np.int64).ravel()
+        self.check_room(start_pos + token_ids.size - 1)
+        self.stream.synchronize()
+        with self.stream:
+            out = self.cp.empty((token_ids.size, self.vocab), dtype=self.cp.float32)
+            self.run_steps(token_ids, start_pos, out)
+            result = out.get(stream=self.stream)
+        self.stream.synchronize()
+        return result
+
+    def generate_ids(self, prompt_ids, start_pos: int, params: SamplingParams, max_new_tokens: int, rng):
+        """Sample on the device; one rng.random() per generated token, as the reference loop draws them."""
+        prompt = np.asarray(prompt_ids, dtype=np.int64).ravel()
+        if max_new_tokens <= 0:
+            self.forward(prompt, start_pos)
+            return
+        self.check_room(start_pos + prompt.size + max_new_tokens - 2)
+        rng_state = rng.bit_generator.state
+        uniforms = rng.random(max_new_tokens)
+        produced = 0
+        try:
+            self.stream.synchronize()
+            with self.stream:
+                prefill = cuda_prefill.for_prompt(self, prompt.size - 1)
+                if prefill is not None:
+                    prefill.run(prompt[:-1], start_pos, None)   # K/V only: the last token goes through the graph
+                elif prompt.size > 1:
+                    self.run_steps(prompt[:-1], start_pos)
+                seen = np.zeros(self.vocab, dtype=np.uint8)
+                seen[prompt[(prompt >= 0) & (prompt < self.vocab)]] = 1
+                self.upload(self.seen, seen)
+                self.upload(self.uniforms, uniforms)
+                self.set_sampling(params)
+                self.set_state(start_pos + prompt.size - 1, int(prompt[-1]), 0)
+                events = [None] * LOOKAHEAD
+                launched = 0
+                while produced < max_new_tokens:
+                    while launched < max_new_tokens and launched - produced < LOOKAHEAD:
+                        self.graph.launch(self.stream)
+                        self.cp.cuda.runtime.memcpyAsync(self.host_tokens.ctypes.data + 4 * launched,
+                                                         self.out_tokens.data.ptr + 4 * launched, 4, D2H,
+                                                         self.stream.ptr)
+                        events[launched % LOOKAHEAD] = self.stream.record()
+                        launched += 1
+                    events[produced % LOOKAHEAD].synchronize()
+                    token = int(self.host_tokens[produced])
+                    produced += 1
+                    yield token
+        finally:
+            rng.bit_generator.state = rng_state      # consume exactly the draws of the tokens handed out
+            rng.random(produced)
+
+    def close(self) -> None:
+        if getattr(self, "stream", None) is not None:
+            self.stream.synchronize()
+        for name in ("graph", "weights", "k_cache", "v_cache", "step", "_prefill"):
+            setattr(self, name, None)
+        self.cp.get_default_memory_pool().free_all_blocks()

@@ -1,0 +1,68 @@
+"""Copy a .tinf file's tensor data to the GPU through a reusable pinned staging buffer.
+
+The whole data section goes into one device allocation, so each tensor is a view at its file
+offset. Pageable copies from a memory map run at ~2 GB/s; copying each chunk first into pinned
+memory (several threads, NumPy releases the GIL) and then DMA-ing it at ~50 GB/s is ~10x faster.
+Two sets of buffers alternate so the CPU fills one set while the GPU drains the other. Host memory
+stays at the staging size whatever the model size.
+"""
+
+from __future__ import annotations
+
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+CHUNK_BYTES = 16 << 20
+BUFFERS_PER_SET = 4
+PROGRESS_MIN_BYTES = 512 << 20
+H2D = 1   # cudaMemcpyHostToDevice
+
+
+def data_extent(tinf) -> int:
+    """Bytes from the data offset to the end of the last tensor."""
+    return max((info.offset + info.nbytes for info in tinf.infos.values()), default=0)
+
+
+def upload_weights(tinf, stream, progress: bool | None = None):
+    """A CuPy uint8 array holding the file's data section (tensor t at [t.offset, t.offset + t.nbytes))."""
+    import cupy as cp
+    import cupyx
+
+    total = data_extent(tinf)
+    device = cp.empty(max(total, 16), dtype=cp.uint8)
+    source = tinf.memmap[tinf.data_offset: tinf.data_offset + total]
+    sets = [[cupyx.empty_pinned(CHUNK_BYTES, dtype=np.uint8) for _ in range(BUFFERS_PER_SET)] for _ in range(2)]
+    done = [None, None]                       # event after each set's last copy
+    chunks = [(start, min(CHUNK_BYTES, total - start)) for start in range(0, total, CHUNK_BYTES)]
+    bar = progress_bar(total, progress)
+
+    def fill(job):
+        buffer, (start, n) = job
+        np.copyto(buffer[:n], source[start: start + n])
+
+    with ThreadPoolExecutor(BUFFERS_PER_SET) as pool:
+        for round_index, first in enumerate(range(0, len(chunks), BUFFERS_PER_SET)):
+            which = round_index % 2
+            batch = chunks[first: first + BUFFERS_PER_SET]
+            if done[which] is not None:
+                done[which].synchronize()     # the GPU has finished reading these buffers
+            list(pool.map(fill, zip(sets[which], batch)))
+            for buffer, (start, n) in zip(sets[which], batch):
+                cp.cuda.runtime.memcpyAsync(device.data.ptr + start, buffer.ctypes.data, n, H2D, stream.ptr)
+            done[which] = stream.record()
+            if bar is not None:
+                bar.update(sum(n for _, n in batch))
+    stream.synchronize()
+    if bar is not None:
+        bar.close()
+    return device
+
+
+def progress_bar(total: int, progress: bool | None):
+    if progress is False or (progress is None and total < PROGRESS_MIN_BYTES):
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="B", unit_scale=True, desc="upload", file=sys.stderr, disable=None, leave=False)

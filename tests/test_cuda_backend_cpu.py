@@ -1,0 +1,176 @@
+"""The CUDA backend's selection, error paths and pure-Python parts, on a machine without a GPU."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tinyinfer.formats import open_tinf
+from tinyinfer.kernels import attention as attn_k
+from tinyinfer.kernels import build
+from tinyinfer.kernels import gemv as gemv_k
+from tinyinfer.runtime import autotune, load
+from tinyinfer.runtime import reference as ref
+from tinyinfer.runtime.bench import random_encoded, tinf_config, write_random_model
+from tinyinfer.runtime.errors import DeviceError
+
+sys.path.insert(0, str(Path(__file__).parent))  # conftest.py (pytest runs with --import-mode=importlib)
+from conftest import cuda_available  # noqa: E402
+
+no_gpu = pytest.mark.skipif(cuda_available(), reason="checks the behaviour without a GPU")
+SMALL = {"hidden_size": 64, "intermediate_size": 172, "num_hidden_layers": 2, "num_attention_heads": 8,
+         "num_key_value_heads": 4, "vocab_size": 300, "max_position_embeddings": 64}
+
+
+@pytest.fixture(scope="module")
+def small_model(tmp_path_factory):
+    return write_random_model(tmp_path_factory.mktemp("m") / "small-q4.tinf", tinf_config(SMALL), "q4", 32)
+
+
+def test_modules_import_without_cupy():
+    import tinyinfer.runtime.bench  # noqa: F401
+    import tinyinfer.runtime.cuda_backend  # noqa: F401
+    import tinyinfer.runtime.verify  # noqa: F401
+    import tinyinfer.runtime.weights_upload  # noqa: F401
+
+
+@no_gpu
+def test_cuda_device_without_gpu_is_one_clear_error(small_model):
+    with pytest.raises(DeviceError, match="--device cpu"):
+        load(small_model, device="cuda")
+
+
+@no_gpu
+def test_auto_falls_back_to_numpy(small_model):
+    from tinyinfer.runtime.numpy_backend import NumpyBackend
+
+    with load(small_model, device="auto") as model:
+        assert isinstance(model.backend, NumpyBackend)
+
+
+@no_gpu
+def test_bench_and_verify_need_the_gpu(small_model):
+    from tinyinfer.runtime.bench import BenchError, run_bench
+    from tinyinfer.runtime.verify import VerifyError, run_verify
+
+    with load(small_model, device="cpu") as model, pytest.raises(BenchError, match="CUDA backend"):
+        run_bench(model, 8)
+    with pytest.raises(VerifyError, match="--device cpu"):
+        run_verify(small_model, 4)
+
+
+def test_memory_plan_refusal_names_the_fix():
+    from tinyinfer.runtime.cuda_backend import check_plan, memory_plan
+
+    plan = memory_plan(weight_bytes=30 << 30, kv_bytes=2 << 30, scratch_bytes=1 << 20, free_bytes=16 << 30)
+    assert not plan["fits"]
+    with pytest.raises(DeviceError, match="smaller max_context"):
+        check_plan(plan, 4096)
+    check_plan(memory_plan(1 << 30, 1 << 20, 1 << 20, 16 << 30), 4096)
+
+
+def test_unsupported_encodings_are_refused(tmp_path):
+    from tinyinfer.formats import Tensor, TensorSpec, TinfWriter
+    from tinyinfer.runtime.cuda_backend import check_encodings
+
+    good = open_tinf(write_random_model(tmp_path / "ok.tinf", tinf_config(SMALL), "q8", 64))
+    check_encodings(good)
+    specs = [TensorSpec(i.name, "bf16" if i.name == "layers.1.wo" else i.encoding, i.shape, i.group)
+             for i in good.infos.values()]
+    path = tmp_path / "bf16-wo.tinf"
+    meta = {k: v for k, v in good.metadata.items() if k != "tensors"}
+    with TinfWriter(path, meta, specs) as w:
+        for spec in specs:
+            w.write(spec.name, good.tensor(spec.name) if spec.name != "layers.1.wo"
+                    else Tensor("bf16", spec.shape, np.zeros(spec.shape, np.uint16)))
+    with pytest.raises(DeviceError, match="--quant"):
+        check_encodings(open_tinf(path))
+
+
+def test_sources_are_self_contained_for_nvrtc():
+    for name in build.SOURCES:
+        if name.endswith(".cu"):
+            text = build.expanded_source(name)
+            assert '#include "' not in text and "STATE_POS" in text and "#pragma once" not in text
+    assert len(build.source_hash()) == 16
+    assert "-arch=sm_90a" in build.compile_options(90) and not any("arch" in o for o in build.compile_options(86))
+
+
+def test_gemv_shapes_and_launch_geometry():
+    t = random_encoded("q4", (2560, 2048), 64, np.random.default_rng(0))
+    shape = gemv_k.shape_of(t, "rmsnorm", "store")
+    assert shape.cols_pad == 2048 and shape.weight_bytes == 2560 * (1024 + 64)
+    assert gemv_k.name_expression(shape, 2) == "gemv<2,64,2,1,0>"
+    config = gemv_k.GemvConfig(2, 8)
+    assert gemv_k.shared_bytes(shape, config) == 2 * 8 * 32 * 4 + 4 * (2048 + 256)
+    odd = gemv_k.shape_of(random_encoded("f16", (37, 72), None, np.random.default_rng(0)), "plain", "add")
+    assert odd.cols_pad == 72 and gemv_k.staged_halves(odd) == 128 + 16
+
+
+def test_gemv_reference_is_the_reference_math():
+    rng = np.random.default_rng(1)
+    t = random_encoded("q8", (50, 96), 32, rng)
+    x = rng.standard_normal(192).astype(np.float32)
+    w = t.to_float32()
+    np.testing.assert_allclose(gemv_k.gemv_reference(t, x, "swiglu"), w @ ref.swiglu(x), rtol=1e-5, atol=1e-6)
+    norm = rng.random(96).astype(np.float32)
+    np.testing.assert_allclose(gemv_k.gemv_reference(t, x, "rmsnorm", norm, 1e-5, residual=x[:50]),
+                               w @ ref.rms_norm(x[:96], norm, 1e-5) + x[:50], rtol=1e-5, atol=1e-6)
+
+
+def test_attention_reference_matches_the_numpy_backend_math():
+    rng = np.random.default_rng(2)
+    n_heads, n_kv, hd, pos = 8, 2, 16, 5
+    cos, sin = ref.rope_tables(hd, 16, 10000.0, None)
+    cache_k = rng.standard_normal((16, n_kv, hd)).astype(np.float32)
+    cache_v = rng.standard_normal((16, n_kv, hd)).astype(np.float32)
+    qkv = rng.standard_normal((n_heads + 2 * n_kv) * hd).astype(np.float32)
+    out, k_row, v_row = attn_k.attention_reference(qkv, cache_k, cache_v, pos, n_heads, n_kv, hd, cos, sin)
+    q = ref.apply_rope(qkv[: n_heads * hd].reshape(1, n_heads, hd), np.array([pos]), cos, sin)
+    keys, values = cache_k.copy(), cache_v.copy()
+    keys[pos], values[pos] = k_row, v_row
+    np.testing.assert_allclose(out, ref.attention(q, keys, values, np.array([pos]))[0], rtol=1e-6)
+    assert attn_k.n_slices(4, 2048, 132) == 64 and attn_k.n_slices(32, 272, 132) == 9
+    assert attn_k.n_slices(32, 16, 132) == 1
+
+
+def test_autotune_cache_roundtrip(small_model, tmp_path, monkeypatch):
+    monkeypatch.setenv("TINYINFER_CACHE_DIR", str(tmp_path))
+    tinf = open_tinf(small_model)
+    key = autotune.cache_key(tinf, "NVIDIA H200", 90, "abc")
+    assert key == autotune.cache_key(open_tinf(small_model), "NVIDIA H200", 90, "abc")
+    assert key != autotune.cache_key(tinf, "NVIDIA A100", 80, "abc")
+    assert key != autotune.cache_key(tinf, "NVIDIA H200", 90, "abd")
+    assert autotune.load_cached(key) is None
+    choices = {"wqkv": {"row_tiles": 2, "warps": 4}}
+    assert autotune.save_cached(key, choices, {"gpu": "NVIDIA H200"}) == tmp_path / "autotune" / f"{key}.json"
+    assert autotune.load_cached(key) == choices
+
+
+def test_verify_comparison_separates_near_ties():
+    from tinyinfer.runtime.verify import compare_logits
+
+    rng = np.random.default_rng(4)
+    reference = rng.standard_normal((3, 1000)).astype(np.float32)
+    top = reference.argmax(1)
+    reference[1, 7] = reference[1, top[1]] - 1e-5               # position 1: a near tie at token 7
+    gpu = reference + 1e-4 * rng.standard_normal(reference.shape).astype(np.float32)
+    gpu[1, top[1]] = reference[1, top[1]]
+    gpu[1, 7] = reference[1, top[1]] + 1e-4
+    result = compare_logits(gpu, reference)
+    assert not result["mismatches"] and [n["position"] for n in result["near_ties"]] == [1]
+    gpu[2, 3] = reference[2, top[2]] + 1.0                      # position 2: a real mismatch
+    assert [m["position"] for m in compare_logits(gpu, reference)["mismatches"]] == [2]
+
+
+def test_random_models_are_valid_files(small_model):
+    from tinyinfer.runtime.weights_upload import data_extent
+
+    with open_tinf(small_model) as f:
+        assert all(f.check(name) for name in f.names)
+        assert data_extent(f) <= f.file_size - f.data_offset
+        w = f.tensor("layers.0.w_down").to_float32()
+        assert w.shape == (64, 172) and 0.5 < w.std() * np.sqrt(172) < 1.5

@@ -1,0 +1,263 @@
+"""Each CUDA kernel against its NumPy reference, on fresh random inputs of every shape class.
+
+Outputs are poisoned (NaN) before every launch so an element the kernel forgets to write fails.
+Error is ||gpu - ref|| / ||ref|| <= 1e-3 (the kernels round the input vector / KV cache to fp16 and
+accumulate in fp32); argmax and sampling must match exactly.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+import pytest
+
+from tinyinfer.formats import Tensor
+from tinyinfer.kernels import attention as attn_k
+from tinyinfer.kernels import gemv as gemv_k
+from tinyinfer.kernels import misc as misc_k
+from tinyinfer.kernels import sampling as sample_k
+from tinyinfer.kernels.build import device_compute_capability
+from tinyinfer.runtime import reference as ref
+from tinyinfer.runtime.bench import random_encoded
+from tinyinfer.runtime.sampling import SamplingParams, sample
+
+pytestmark = pytest.mark.gpu
+MAX_ERROR = 1e-3
+
+# (rows, cols): the fused TinyLlama and Llama-2-7B matrices, and odd sizes (cols not a multiple of
+# the group, rows not a multiple of 16).
+SHAPES = {
+    "tinyllama-qkv": (2560, 2048), "tinyllama-down": (2048, 5632), "llama7b-down": (4096, 11008),
+    "llama7b-gate-up": (22016, 4096), "odd": (100, 200), "odd-small": (37, 72), "tiny": (16, 8),
+}
+FUSIONS = {   # shape -> (input, output) as the model uses that matrix
+    "tinyllama-qkv": ("rmsnorm", "store"), "tinyllama-down": ("swiglu", "add"), "llama7b-down": ("swiglu", "add"),
+    "llama7b-gate-up": ("rmsnorm", "store"), "odd": ("plain", "add"), "odd-small": ("rmsnorm", "store"),
+    "tiny": ("plain", "store"),
+}
+
+
+def relative_error(a, b) -> float:
+    return float(np.linalg.norm(np.asarray(a, np.float64) - b) / np.linalg.norm(b))
+
+
+def stored_bytes(tensor: Tensor) -> np.ndarray:
+    """The tensor's bytes exactly as a .tinf file holds them."""
+    from tinyinfer.formats import tensor_nbytes
+
+    out = np.zeros(tensor_nbytes(tensor.encoding, tensor.shape, tensor.group), dtype=np.uint8)
+    for offset, array in tensor.parts():
+        raw = np.ascontiguousarray(array).view(np.uint8).reshape(-1)
+        out[offset: offset + raw.size] = raw
+    return out
+
+
+@pytest.fixture(scope="module")
+def cc(cupy_gpu):
+    return device_compute_capability()
+
+
+@pytest.fixture(scope="module")
+def misc_module(cc):
+    return misc_k.compile_misc(cc)
+
+
+def run_gemv(cp, cc, tensor, input, output, config, rng):
+    shape = gemv_k.shape_of(tensor, input, output)
+    mod, _ = gemv_k.compile_gemvs([(shape, config.row_tiles)], cc)
+    k = tensor.cols
+    x = rng.standard_normal(2 * k if input == "swiglu" else k).astype(np.float32)
+    aux = (1 + 0.1 * rng.standard_normal(k)).astype(np.float32) if input == "rmsnorm" else None
+    residual = rng.standard_normal(tensor.rows).astype(np.float32) if output == "add" else None
+    y = cp.asarray(residual) if residual is not None else cp.full(tensor.rows, np.nan, dtype=cp.float32)
+    launch = gemv_k.make_gemv(mod, shape, config, cp.asarray(stored_bytes(tensor)), cp.asarray(x), y,
+                              cp.asarray(aux) if aux is not None else None, 1e-5)
+    launch()
+    cp.cuda.Device().synchronize()
+    expected = gemv_k.gemv_reference(tensor, x, input, aux, 1e-5, residual)
+    got = y.get()
+    assert np.isfinite(got).all(), "unwritten or non-finite outputs"
+    return relative_error(got, expected)
+
+
+@pytest.mark.parametrize("encoding", ["f16", "q8", "q4"])
+@pytest.mark.parametrize("name", list(SHAPES))
+def test_gemv_every_shape_class(cupy_gpu, cc, encoding, name):
+    rng = np.random.default_rng(zlib.crc32(f"{encoding}{name}".encode()))
+    rows, cols = SHAPES[name]
+    tensor = random_encoded(encoding, (rows, cols), None if encoding == "f16" else 64, rng, 1 / np.sqrt(cols))
+    error = run_gemv(cupy_gpu, cc, tensor, *FUSIONS[name], gemv_k.GemvConfig(), rng)
+    assert error <= MAX_ERROR, f"{encoding} {name}: relative error {error:.2e}"
+
+
+@pytest.mark.parametrize("encoding", ["f16", "q8", "q4"])
+@pytest.mark.parametrize("row_tiles,warps", gemv_k.CANDIDATES)
+def test_gemv_every_tuning_candidate(cupy_gpu, cc, encoding, row_tiles, warps):
+    rng = np.random.default_rng(row_tiles * 10 + warps)
+    tensor = random_encoded(encoding, (1000, 1000), None if encoding == "f16" else 64, rng, 1 / np.sqrt(1000))
+    error = run_gemv(cupy_gpu, cc, tensor, "swiglu", "add", gemv_k.GemvConfig(row_tiles, warps), rng)
+    assert error <= MAX_ERROR, f"R={row_tiles} warps={warps}: {error:.2e}"
+
+
+@pytest.mark.parametrize("encoding", ["q8", "q4"])
+@pytest.mark.parametrize("group", [32, 64, 128])
+@pytest.mark.parametrize("cols", [1000, 4096, 96])
+def test_gemv_every_group_size(cupy_gpu, cc, encoding, group, cols):
+    rng = np.random.default_rng(group + cols)
+    tensor = random_encoded(encoding, (300, cols), group, rng, 1 / np.sqrt(cols))
+    error = run_gemv(cupy_gpu, cc, tensor, "rmsnorm", "store", gemv_k.GemvConfig(2, 4), rng)
+    assert error <= MAX_ERROR, f"{encoding} g{group} K={cols}: {error:.2e}"
+
+
+def test_gemv_quantized_by_the_format_encoder(cupy_gpu, cc):
+    """A tensor quantized by formats.encode (scale search), not random codes."""
+    from tinyinfer.formats import encode
+
+    rng = np.random.default_rng(5)
+    w = rng.standard_normal((256, 768)).astype(np.float32)
+    for encoding in ("q4", "q8", "f16"):
+        error = run_gemv(cupy_gpu, cc, encode(w, encoding, 64), "plain", "store", gemv_k.GemvConfig(), rng)
+        assert error <= MAX_ERROR, f"{encoding}: {error:.2e}"
+
+
+# ---------------------------------------------------------------------------------------- attention
+
+ATTENTION_SHAPES = {   # (n_heads, n_kv_heads, head_dim)
+    "tinyllama": (32, 4, 64), "llama7b": (32, 32, 128), "stories260k": (8, 4, 8), "mqa": (8, 1, 64),
+    "odd": (12, 3, 96),
+}
+
+
+@pytest.mark.parametrize("name", list(ATTENTION_SHAPES))
+@pytest.mark.parametrize("tile", [True, False])
+def test_attention_matches_reference(cupy_gpu, cc, name, tile):
+    cp = cupy_gpu
+    n_heads, n_kv, hd = ATTENTION_SHAPES[name]
+    max_ctx = 1100
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 256} if name == "odd" else None
+    cos, sin = ref.rope_tables(hd, max_ctx, 10000.0, scaling)
+    mod = attn_k.compile_attention(cc)
+    sms = cp.cuda.runtime.getDeviceProperties(0)["multiProcessorCount"]
+    slices = attn_k.n_slices(n_kv, max_ctx, sms)
+    rng = np.random.default_rng(len(name) + tile)
+    for pos in [0, 1, 31, 32, 33, 200, 1099]:
+        cache_k = rng.standard_normal((max_ctx, n_kv, hd)).astype(np.float16)
+        cache_v = rng.standard_normal((max_ctx, n_kv, hd)).astype(np.float16)
+        cache_k[pos:] = np.nan                    # the kernel must write row pos and never read beyond
+        cache_v[pos:] = np.nan
+        qkv = rng.standard_normal((n_heads + 2 * n_kv) * hd).astype(np.float32)
+        k_dev, v_dev = cp.asarray(cache_k), cp.asarray(cache_v)
+        out = cp.full(n_heads * hd, np.nan, dtype=cp.float32)
+        counters = cp.zeros(n_kv, dtype=cp.uint32)
+        launch = attn_k.make_attention(
+            mod, n_heads, n_kv, hd, slices, cp.asarray(qkv), k_dev, v_dev, cp.asarray(np.array([pos, 0, 0, 0], np.int32)),
+            cp.asarray(cos), cp.asarray(sin), cp.zeros(n_heads * slices * hd, cp.float32),
+            cp.zeros(n_heads * slices * 2, cp.float32), counters, out, tile=tile)
+        expected, k_row, v_row = attn_k.attention_reference(qkv, cache_k.astype(np.float32),
+                                                            cache_v.astype(np.float32), pos, n_heads, n_kv, hd, cos, sin)
+        for repeat in range(2):                   # the merge counters must be back at zero
+            out.fill(np.nan)
+            launch()
+            got = out.get()
+            assert np.isfinite(got).all(), f"pos {pos}: unwritten outputs"
+            error = relative_error(got, expected)
+            assert error <= MAX_ERROR, f"{name} tile={tile} pos {pos} (run {repeat}): {error:.2e}"
+            assert not counters.get().any()
+        # k is rotated in fp32 (the GPU may fuse a multiply-add) then stored as fp16: within one fp16 ulp.
+        np.testing.assert_allclose(k_dev[pos].get().astype(np.float32), k_row, rtol=1e-3, atol=1e-7)
+        np.testing.assert_array_equal(v_dev[pos].get(), v_row.astype(np.float16))
+
+
+def test_attention_variant_choice():
+    assert attn_k.use_tile(32, 4) and not attn_k.use_tile(32, 32)
+
+
+# ----------------------------------------------------------------------------------------- sampling
+
+def run_sampler(cp, cc, logits, params, history, uniforms, step=0):
+    vocab = logits.size
+    mod = sample_k.compile_sampler(cc)
+    seen = np.zeros(vocab, np.uint8)
+    seen[list(history)] = 1
+    state = cp.asarray(np.array([7, -1, step, 0], np.int32))
+    out_tokens = cp.full(len(uniforms) + 1, -1, dtype=cp.int32)
+    seen_dev = cp.asarray(seen)
+    table = np.random.default_rng(vocab).standard_normal((vocab, 72)).astype(np.float16)
+    x = cp.full(72, np.nan, dtype=cp.float32)
+    launch = sample_k.make_sampler(mod, vocab, cp.asarray(logits), cp.asarray(sample_k.params_array(params)),
+                                   cp.asarray(np.asarray(uniforms, np.float64)), seen_dev,
+                                   cp.zeros(vocab, cp.float64), state, out_tokens, cp.asarray(table), "f16", 72, x)
+    launch()
+    token = int(state.get()[1])
+    np.testing.assert_array_equal(x.get(), table[token].astype(np.float32))   # the chosen token, embedded
+    return state.get(), out_tokens.get(), seen_dev.get()
+
+
+SAMPLING = [
+    SamplingParams(temperature=0.0, repetition_penalty=1.3),
+    SamplingParams(temperature=1.0),
+    SamplingParams(temperature=0.7, top_k=50, top_p=0.9, min_p=0.05, repetition_penalty=1.1),
+    SamplingParams(temperature=1.3, top_p=0.5),
+    SamplingParams(temperature=0.8, top_k=1),
+    SamplingParams(temperature=1.0, min_p=0.2),
+    SamplingParams(temperature=2.0, top_k=7, top_p=0.95),
+]
+
+
+@pytest.mark.parametrize("params", SAMPLING, ids=str)
+@pytest.mark.parametrize("ties", [False, True])
+def test_sampler_matches_reference(cupy_gpu, cc, params, ties):
+    rng = np.random.default_rng(zlib.crc32(f"{params}{ties}".encode()))
+    for trial in range(12):
+        vocab = [32000, 512, 1000][trial % 3]
+        logits = (3 * rng.standard_normal(vocab)).astype(np.float32)
+        if ties:                                     # many equal logits, also at the top
+            logits = np.round(logits * 2) / 2
+        history = rng.choice(vocab, 20, replace=False)
+        u = rng.random()
+        step = trial % 3
+        uniforms = np.concatenate([rng.random(step), [u]])
+        state, out_tokens, seen = run_sampler(cupy_gpu, cc, logits, params, history, uniforms, step)
+        expected = sample(logits, params, history, u)
+        assert state[1] == expected, f"trial {trial}: device {state[1]}, reference {expected}"
+        assert out_tokens[step] == expected and state[2] == step + 1 and state[0] == 8
+        assert bool(seen[expected]) == (params.repetition_penalty != 1.0 or expected in set(history))
+
+
+def test_greedy_lowest_index_wins_ties(cupy_gpu, cc):
+    logits = np.zeros(32000, np.float32)
+    logits[[7, 123, 31999]] = 5.0
+    state, _, _ = run_sampler(cupy_gpu, cc, logits, SamplingParams(), [], [0.5])
+    assert state[1] == 7
+
+
+# ----------------------------------------------------------------------------------- small kernels
+
+@pytest.mark.parametrize("encoding", ["f16", "f32", "bf16"])
+def test_embedding_gather(cupy_gpu, misc_module, encoding):
+    cp = cupy_gpu
+    rng = np.random.default_rng(3)
+    vocab, dim = 1000, 2048 + 8
+    table = random_encoded("f16", (vocab, dim), None, rng).to_float32()
+    if encoding == "f16":
+        stored, expected = table.astype(np.float16), table
+    elif encoding == "f32":
+        stored, expected = table, table
+    else:
+        stored = (table.view(np.uint32) >> 16).astype(np.uint16)
+        expected = (stored.astype(np.uint32) << 16).view(np.float32)
+    x = cp.full(dim, np.nan, dtype=cp.float32)
+    launch = misc_k.make_embed(misc_module, cp.asarray(stored), encoding, dim, dim,
+                               cp.asarray(np.array([0, 417, 0, 0], np.int32)), x)
+    launch()
+    np.testing.assert_array_equal(x.get(), expected[417])
+
+
+def test_read_bandwidth_probe_runs(cupy_gpu, misc_module):
+    cp = cupy_gpu
+    data = cp.ones(64 << 20, dtype=cp.uint8)
+    sink = cp.zeros(1, dtype=cp.uint32)
+    misc_k.make_read_bandwidth(misc_module, data, sink, 132)()
+    cp.cuda.Device().synchronize()
