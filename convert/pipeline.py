@@ -8,7 +8,6 @@ a time, so memory stays around the size of the largest fused matrix.
 from __future__ import annotations
 
 import math
-import importlib.metadata
 import sys
 import time
 from dataclasses import dataclass, field
@@ -24,6 +23,7 @@ from tinyinfer.convert.hf import HfCheckpoint, read_hf_config, readme_license, t
 from tinyinfer.convert.llama2c import Llama2cCheckpoint
 from tinyinfer.convert.tokenizer_files import check_tokenizer, hf_tokenizer, sentencepiece_tokenizer
 from tinyinfer.formats import TensorSpec, TinfWriter, encode
+from tinyinfer.formats.version import tinyinfer_version
 
 QUANTS = ("q4", "q8", "f16")
 GROUP_SIZES = (32, 64, 128)
@@ -160,7 +160,7 @@ def build_metadata(model: Source, source: str, quant: str, group_size: int, scal
     provenance = {
         "source": source,
         "revision": model.revision,
-        "converter": f"tinyinfer {importlib.metadata.version('tinyinfer')}",
+        "converter": tinyinfer_version(),
         "created": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "quant": quant,
         "group_size": group_size,

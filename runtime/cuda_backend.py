@@ -22,6 +22,7 @@ import time
 
 import numpy as np
 
+from tinyinfer.formats.quant import padded_cols
 from tinyinfer.kernels import attention as attn_k
 from tinyinfer.kernels import build
 from tinyinfer.kernels import gemv as gemv_k
@@ -247,16 +248,12 @@ class CudaBackend(Backend):
 
     def embed_launch(self):
         info = self.tinf.info("tok_embeddings")
-        from tinyinfer.formats.quant import padded_cols
-
         cols_pad = padded_cols(info.encoding, self.dim, None)
         return misc_k.make_embed(self.misc_module, self.view("tok_embeddings"), info.encoding, cols_pad, self.dim,
                                  self.state, self.x)
 
     def sampler_launch(self):
         info = self.tinf.info("tok_embeddings")
-        from tinyinfer.formats.quant import padded_cols
-
         return sample_k.make_sampler(self.sample_module, self.vocab, self.logits, self.params, self.uniforms,
                                      self.seen, self.sample_scratch, self.state, self.out_tokens,
                                      self.view("tok_embeddings"), info.encoding,

@@ -15,12 +15,12 @@ Hugging Face cache is never written: its files are shared, content-addressed blo
 
 from __future__ import annotations
 
-import importlib.metadata
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
 from tinyinfer.formats import TinyInferError, open_tinf, rewrite_metadata
+from tinyinfer.formats.version import tinyinfer_version
 
 MAX_ENTRIES = 64             # keeps a shared file's metadata small however many GPUs tuned it
 SEP = "|"
@@ -183,10 +183,3 @@ def refuse_hub_cache(out: Path) -> None:
         if candidate == cache or cache in candidate.parents:
             raise TuneFileError(f"{out} is inside the Hugging Face cache, which must not be modified; "
                                 f"write a tuned copy instead (tinyrun tune MODEL -o model.tinf).")
-
-
-def tinyinfer_version() -> str:
-    try:
-        return f"tinyinfer {importlib.metadata.version('tinyinfer')}"
-    except importlib.metadata.PackageNotFoundError:
-        return "tinyinfer (unknown version)"
