@@ -1,5 +1,5 @@
-"""Experiment on a GPU (run by hand: `python3 tests/gpu_exp_gemv.py`; not part of the package or the test suite):
-q4 layout on this GPU? Two arithmetic variants: fp32 FMA (nibble -> float by the 2^23 magic number)
+"""Experiment on a GPU, run by hand (`python3 tests/gpu_exp_gemv.py`; not part of the package or the test
+suite): how fast can a plain, non-tensor-core q4 GEMV read the .tinf q4 layout on this GPU? Two arithmetic variants: fp32 FMA (nibble -> float by the 2^23 magic number)
 and half2 (nibble pairs -> half2 by the 0x6400 trick, fp16 products summed over 8 weights, then fp32).
 Prints us, GB/s and relative error vs float64 NumPy per shape and config."""
 import sys
