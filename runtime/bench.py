@@ -284,8 +284,8 @@ def format_report(r: dict) -> str:
         f"load {r['load'].get('load_s', 0):.2f} s {r['load']}, tuning {r['tuning_source']}",
         format_prefill(r["prefill"]) if "prefill" in r else "",
         "",
-        f"| kernel | shape | per token | us | us/token | GB/s | % of peak |",
-        f"|---|---|---|---|---|---|---|",
+        "| kernel | shape | per token | us | us/token | GB/s | % of peak |",
+        "|---|---|---|---|---|---|---|",
     ]
     for k in r["kernels"]:
         lines.append(f"| {k['kernel']} | {k['shape']} | {k['per_token']} | {k['us']:.2f} | {k['us_per_token']:.1f} | "

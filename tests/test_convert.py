@@ -3,14 +3,12 @@ the shared stories260K-hf folder, refused inputs, the CLI and the Hub download l
 
 import json
 import shutil
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 from click.testing import CliRunner
 
-sys.path.insert(0, str(Path(__file__).parent))  # tests/checkpoints.py (pytest runs with --import-mode=importlib)
 from checkpoints import (TINYLLAMA, assert_tinf_matches, fused_source, tinf_logits,  # noqa: E402
                          write_hf_llama)
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,7 +15,6 @@ from tinyinfer.runtime import reference as ref
 from tinyinfer.runtime.bench import random_encoded, tinf_config, write_random_model
 from tinyinfer.runtime.errors import DeviceError
 
-sys.path.insert(0, str(Path(__file__).parent))  # conftest.py (pytest runs with --import-mode=importlib)
 from conftest import cuda_available  # noqa: E402
 
 no_gpu = pytest.mark.skipif(cuda_available(), reason="checks the behaviour without a GPU")

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import json
 import re
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest

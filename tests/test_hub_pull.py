@@ -16,7 +16,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))  # test helpers (pytest runs with --import-mode=importlib)
 from fake_hub import WRITE_TOKEN, FakeHub, closed_port_url, hub_env, write_cached_repo  # noqa: E402
 from tinf_samples import write_runnable_tinf, write_tiny_tinf  # noqa: E402
 from tinyinfer.runtime.hub import HubError, HubRef, parse_ref  # noqa: E402

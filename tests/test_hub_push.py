@@ -16,7 +16,6 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))  # test helpers (pytest runs with --import-mode=importlib)
 from fake_hub import WRITE_TOKEN, FakeHub, closed_port_url, hub_env  # noqa: E402
 from tinf_samples import write_tiny_tinf  # noqa: E402
 from tinyinfer.convert.model_card import model_card  # noqa: E402

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))  # test helpers (pytest runs with --import-mode=importlib)
 from tinf_samples import TENSORS, write_runnable_tinf, write_tiny_tinf  # noqa: E402
 from tinyinfer.formats import FormatError, open_tinf  # noqa: E402
 from tinyinfer.runtime.integrity import IntegrityError, check_file, corrupt_tensors  # noqa: E402

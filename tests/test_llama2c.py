@@ -2,13 +2,10 @@
 real stories260K model against its known greedy output."""
 
 import struct
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))  # tests/checkpoints.py (pytest runs with --import-mode=importlib)
 from checkpoints import assert_tinf_matches, tinf_logits, write_sentencepiece  # noqa: E402
 
 from tinyinfer.convert import ConvertError, convert_checkpoint  # noqa: E402

@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 import hashlib
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 import yaml
 
-sys.path.insert(0, str(Path(__file__).parent))  # test helpers (pytest runs with --import-mode=importlib)
 from tinf_samples import PROVENANCE, TENSORS, write_tiny_tinf  # noqa: E402
 from tinyinfer.convert import model_card as card_module  # noqa: E402
 from tinyinfer.convert.model_card import file_sha256, model_card  # noqa: E402

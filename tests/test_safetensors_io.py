@@ -2,13 +2,11 @@
 
 import json
 import struct
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))  # tests/checkpoints.py (pytest runs with --import-mode=importlib)
 from checkpoints import stored, write_safetensors  # noqa: E402
 
 from tinyinfer.convert import ConvertError  # noqa: E402

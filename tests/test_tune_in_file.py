@@ -4,13 +4,10 @@ from __future__ import annotations
 
 import hashlib
 import os
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))  # test helpers (pytest runs with --import-mode=importlib)
 from tinf_samples import write_tiny_tinf  # noqa: E402
 from tinyinfer.formats import open_tinf  # noqa: E402
 from tinyinfer.runtime import tune_in_file  # noqa: E402
