@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from tinyinfer.convert.errors import ConvertError
+from tinyinfer.formats.quant import bf16_to_f32
 
 MAX_HEADER_BYTES = 100_000_000          # the Rust crate's limit
 # Source dtypes we convert, as (numpy storage dtype, bytes per element).
@@ -25,14 +26,6 @@ DTYPES = {"F32": ("<f4", 4), "F16": ("<f2", 2), "BF16": ("<u2", 2)}
 DTYPE_BITS = {"BOOL": 8, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8, "F8_E8M0": 8, "I16": 16,
               "U16": 16, "F16": 16, "BF16": 16, "I32": 32, "U32": 32, "F32": 32, "F64": 64,
               "I64": 64, "U64": 64, "C64": 64, "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6}
-
-
-def bf16_to_f32(u16: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-    """Exact: a bfloat16 is the upper half of a float32. Widens in one pass, into `out` if given."""
-    if out is None:
-        out = np.empty(u16.shape, np.float32)
-    np.left_shift(u16, 16, out=out.view(np.uint32), dtype=np.uint32)
-    return out
 
 
 class SafetensorsFile:

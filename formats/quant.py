@@ -107,9 +107,12 @@ class Tensor:
         return [(0, self.data)]
 
 
-def bf16_to_f32(u16: np.ndarray) -> np.ndarray:
-    """Exact: a bfloat16 is the top half of a float32."""
-    return (u16.astype(np.uint32) << 16).view(np.float32)
+def bf16_to_f32(u16: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """Exact: a bfloat16 is the upper half of a float32. Widens in one pass, into `out` if given."""
+    if out is None:
+        out = np.empty(u16.shape, np.float32)
+    np.left_shift(u16, 16, out=out.view(np.uint32), dtype=np.uint32)
+    return out
 
 
 def f32_to_bf16(x: np.ndarray) -> np.ndarray:

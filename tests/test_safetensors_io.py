@@ -10,7 +10,8 @@ import pytest
 from checkpoints import stored, write_safetensors  # noqa: E402
 
 from tinyinfer.convert import ConvertError  # noqa: E402
-from tinyinfer.convert.safetensors_io import SafetensorsFile, bf16_to_f32  # noqa: E402
+from tinyinfer.convert.safetensors_io import SafetensorsFile  # noqa: E402
+from tinyinfer.formats.quant import bf16_to_f32  # noqa: E402
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "f16", "f32"])
