@@ -11,6 +11,7 @@ it is converted and run too, and that one writes a real (tiny) story.
 
 from __future__ import annotations
 
+import shlex
 import argparse
 import json
 import os
@@ -103,7 +104,7 @@ def write_random_checkpoint(folder: Path, seed: int = 0, dim: int = 64, n_layers
 def tinyrun(*args: str) -> None:
     """Run the tinyrun CLI in a child process, as a user would."""
     command = [sys.executable, "-m", "tinyinfer.runtime.cli", *args]
-    print("$ tinyrun " + " ".join(args), flush=True)
+    print("$ " + shlex.join(["tinyrun", *args]), flush=True)
     subprocess.run(command, check=True)
 
 
