@@ -11,10 +11,10 @@ it is converted and run too, and that one writes a real (tiny) story.
 
 from __future__ import annotations
 
-import shlex
 import argparse
 import json
 import os
+import shlex
 import subprocess
 import sys
 import tempfile
