@@ -19,8 +19,10 @@ note() { echo "$*" | tee -a "$SUMMARY"; }
 has() { [[ " $STAGES " == *" $1 "* ]]; }
 started=$(date +%s)
 
-# The package: an editable install, or (if setuptools there is too old) a tinyinfer/ folder of links.
-if ! $PY -m pip install -q --no-deps --no-build-isolation -e . > "$LOGS/install.log" 2>&1; then
+# The package: an editable install, or a tinyinfer/ folder of links on PYTHONPATH when that does not
+# give an importable package (on the device image pip can exit 0 and still leave tinyinfer unimportable).
+if ! { $PY -m pip install -q --no-deps --no-build-isolation -e . > "$LOGS/install.log" 2>&1 &&
+       (cd /tmp && $PY -c "import tinyinfer.runtime") >> "$LOGS/install.log" 2>&1; }; then
     mkdir -p /tmp/ti_pkg/tinyinfer
     for p in convert runtime kernels formats; do ln -sfn "$PWD/$p" /tmp/ti_pkg/tinyinfer/$p; done
     export PYTHONPATH=/tmp/ti_pkg${PYTHONPATH:+:$PYTHONPATH}
