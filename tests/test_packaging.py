@@ -1,4 +1,5 @@
-"""The built wheel (not just the editable install) contains every module and the kernel sources."""
+"""The built wheel (not just the editable install), installed with its dependencies into a fresh venv,
+imports every module and ships the kernel sources."""
 
 from __future__ import annotations
 
@@ -33,18 +34,22 @@ print("imported", len(names), "modules;", len(shipped), "kernel sources")
 
 
 @pytest.mark.slow
-def test_wheel_installs_and_imports_every_module(tmp_path):
-    wheel_dir, target = tmp_path / "wheel", tmp_path / "site"
+def test_wheel_installs_in_a_fresh_venv_and_imports_every_module(tmp_path):
+    wheel_dir, venv = tmp_path / "wheel", tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(wheel_dir), str(REPO)],
                    check=True)
     (wheel,) = wheel_dir.glob("tinyinfer-*.whl")
-    subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(target), str(wheel)],
-                   check=True)
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    python = venv / "bin" / "python"
+    subprocess.run([str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check", str(wheel)], check=True)
+    site = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          check=True, capture_output=True, text=True).stdout.strip()
     sources = ",".join(p.name for p in (REPO / "kernels").iterdir() if p.suffix in (".cu", ".cuh"))
-    result = subprocess.run([sys.executable, "-c", IMPORT_EVERYTHING, str(target), sources],
-                            env={"PYTHONPATH": str(target), "PATH": "/usr/bin:/bin"},
+    result = subprocess.run([str(python), "-c", IMPORT_EVERYTHING, site, sources],
                             capture_output=True, text=True, cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     scripts = {line.split("=")[0].strip() for line in
-               (next(target.glob("tinyinfer-*.dist-info")) / "entry_points.txt").read_text().splitlines() if "=" in line}
+               (next(Path(site).glob("tinyinfer-*.dist-info")) / "entry_points.txt").read_text().splitlines()
+               if "=" in line}
     assert {"tinyconvert", "tinyrun"} <= scripts
+    assert (venv / "bin" / "tinyrun").exists() and (venv / "bin" / "tinyconvert").exists()
