@@ -15,6 +15,9 @@ from pathlib import Path
 
 import numpy as np
 
+from tinyinfer.formats.quant import f32_to_bf16
+from tinyinfer.runtime.bench import synthetic_tokenizer
+
 # Same location rule as conftest.py: ../shared beside the checkout, or $TINYINFER_SHARED.
 SHARED_ASSETS = Path(os.environ.get("TINYINFER_SHARED", Path(__file__).resolve().parents[2] / "shared")) / "assets"
 TINYLLAMA = SHARED_ASSETS / "tinyllama-1.1b-chat-v1.0"
@@ -22,12 +25,6 @@ TINYLLAMA_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json",
 CHAT_TEMPLATE = ("{% for m in messages %}{{ '<|' + m['role'] + '|>\\n' + m['content'] + eos_token }}"
                  "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}")
 SAFETENSORS_DTYPE = {"bf16": "BF16", "f16": "F16", "f32": "F32"}
-
-
-def f32_to_bf16(x: np.ndarray) -> np.ndarray:
-    """Round to nearest even (the weights are finite, so NaN handling is not needed)."""
-    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
-    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
 
 
 def stored(x: np.ndarray, dtype: str) -> tuple[np.ndarray, np.ndarray]:
@@ -126,13 +123,7 @@ def write_weights(folder: Path, weights: dict[str, np.ndarray], dtype: str, shar
 
 def write_synthetic_tokenizer(folder: Path, vocab_size: int) -> None:
     """A word-level tokenizer.json with exactly `vocab_size` ids, plus a tokenizer_config with a chat template."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
-    vocab.update({f"w{i}": i for i in range(3, vocab_size)})
-    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-    tokenizer.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer.json").write_text(synthetic_tokenizer(vocab_size)["tokenizer_json"])
     tokenizer_config = {
         "bos_token": {"__type": "AddedToken", "content": "<s>", "lstrip": False},
         "eos_token": "</s>", "unk_token": "<unk>", "pad_token": None,
@@ -250,3 +241,28 @@ def write_sentencepiece(path, vocab_size: int = 64) -> Path:
                                              eos_id=2, minloglevel=2)
     Path(path).write_bytes(model.getvalue())
     return Path(path)
+
+
+def byte_level_tokenizer_json(vocab_size: int, corpus: list[str]) -> str:
+    """A byte-level BPE tokenizer.json trained in memory (no assets): any text round-trips through it."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<s>", "</s>"], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(corpus, trainer)
+    return tok.to_str()
+
+
+def randomize_llama_weights(model) -> None:
+    """Give a transformers Llama weights large enough for well-separated logits (draws from torch's RNG)."""
+    import torch
+
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.2 * torch.randn_like(p))
+            else:
+                p.copy_(torch.randn_like(p) / (1.0 if "embed" in name else p.shape[1] ** 0.5))

@@ -15,6 +15,7 @@ import re
 import numpy as np
 import pytest
 
+from checkpoints import randomize_llama_weights
 from tinyinfer.formats import open_tinf
 from tinyinfer.runtime import load
 from tinyinfer.runtime.bench import synthetic_tokenizer, tinf_config, write_random_model
@@ -137,12 +138,7 @@ def test_tinyllama_shaped_f16_matches_transformers_on_the_gpu(shared_assets, tmp
         rope_theta=hf.get("rope_theta", 10000.0), tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
     torch.manual_seed(0)
     hf_model = transformers.LlamaForCausalLM(config).float().eval()
-    with torch.no_grad():
-        for name, p in hf_model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1 + 0.2 * torch.randn_like(p))
-            else:
-                p.copy_(torch.randn_like(p) / (1.0 if "embed" in name else p.shape[1] ** 0.5))
+    randomize_llama_weights(hf_model)
     folder = tmp_path / "hf"
     hf_model.save_pretrained(folder, safe_serialization=True)
     (folder / "tokenizer.json").write_text(synthetic_tokenizer(config.vocab_size)["tokenizer_json"])

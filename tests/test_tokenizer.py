@@ -106,16 +106,11 @@ def test_sentencepiece_encodes_control_tokens_in_text_like_tokenizer_json(llama)
 
 def byte_level_tokenizer():
     """A byte-level BPE tokenizer built in memory (no assets): byte-level means any text round-trips."""
-    from tokenizers import Tokenizer as HFTok, decoders, models, pre_tokenizers, trainers
+    from checkpoints import byte_level_tokenizer_json
 
-    tok = HFTok(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<s>", "</s>"], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(["hello world, the cat sat on the mat", "streaming text works"], trainer)
-    return Tokenizer.from_metadata(dict(kind="hf-json", tokenizer_json=tok.to_str(), bos_id=0, eos_ids=[1],
-                                        add_bos=True, special_tokens={"bos_token": "<s>"}))
+    corpus = ["hello world, the cat sat on the mat", "streaming text works"]
+    return Tokenizer.from_metadata(dict(kind="hf-json", tokenizer_json=byte_level_tokenizer_json(300, corpus),
+                                        bos_id=0, eos_ids=[1], add_bos=True, special_tokens={"bos_token": "<s>"}))
 
 
 def test_byte_level_tokenizer_streams_multibyte_text_offline():

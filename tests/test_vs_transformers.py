@@ -18,6 +18,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from checkpoints import randomize_llama_weights  # noqa: E402
 from tinyinfer.convert import convert_checkpoint  # noqa: E402
 from tinyinfer.runtime import load  # noqa: E402
 
@@ -44,15 +45,9 @@ CONFIGS = {
 
 @pytest.fixture(scope="module")
 def tokenizer_json():
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from checkpoints import byte_level_tokenizer_json
 
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=280, special_tokens=["<s>", "</s>"], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(["the quick brown fox jumps over the lazy dog"] * 3, trainer)
-    return tok.to_str()
+    return byte_level_tokenizer_json(280, ["the quick brown fox jumps over the lazy dog"] * 3)
 
 
 def random_llama(name: str, seed: int):
@@ -61,12 +56,7 @@ def random_llama(name: str, seed: int):
                                       bos_token_id=0, eos_token_id=1, **CONFIGS[name])
     torch.manual_seed(seed)
     model = transformers.LlamaForCausalLM(config).float().eval()
-    with torch.no_grad():
-        for pname, p in model.named_parameters():
-            if pname.endswith("norm.weight"):
-                p.copy_(1 + 0.2 * torch.randn_like(p))
-            else:
-                p.copy_(torch.randn_like(p) / (1.0 if "embed" in pname else p.shape[1] ** 0.5))
+    randomize_llama_weights(model)
     return model
 
 
