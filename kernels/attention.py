@@ -6,14 +6,14 @@ import numpy as np
 
 from tinyinfer.kernels.build import Launch, module
 
-TILE = 32
+TILE = 32             # n_slices: at full context a slice holds at least this many positions
 MAX_HEAD_DIM = 256
-MAX_WARPS = 8
-SPLIT_WARPS = 4
+WARPS = 4             # ATT_WARPS in attention.cu
+MERGE_HEADS = 8       # ATT_MERGE_HEADS
 
 
 def use_tile(n_heads: int, n_kv_heads: int) -> bool:
-    """Shared-memory tiles pay only when several query heads share a K/V head."""
+    """Several query heads per pass over the K/V rows pay only when several heads share a K/V head."""
     return n_heads // n_kv_heads > 1
 
 
@@ -24,19 +24,22 @@ def n_slices(n_kv_heads: int, max_context: int, n_sms: int) -> int:
 
 
 def warps_for(n_heads: int, n_kv_heads: int, tile: bool) -> int:
-    """Tiled: one warp per head of the group (up to 8). Split: 4 warps taking tiles."""
-    return min(n_heads // n_kv_heads, MAX_WARPS) if tile else SPLIT_WARPS
+    """Both variants: WARPS warps, taking (head chunk, context range) pairs."""
+    return WARPS
+
+
+def heads_per_pass(tile: bool) -> int:
+    """AttConfig<TILE>::HEADS in attention.cu."""
+    return 4 if tile else 1
 
 
 def shared_bytes(n_heads: int, n_kv_heads: int, head_dim: int, slices: int, tile: bool) -> int:
-    """Mirrors the layout at the top of attention.cu."""
-    group, warps = n_heads // n_kv_heads, warps_for(n_heads, n_kv_heads, tile)
-    round4 = lambda n: (n + 3) // 4 * 4
-    floats = 2 * group * head_dim + round4(2 * group)
-    size = 4 * floats + 2 * ((2 * head_dim + 7) // 8 * 8) + 4 * round4(warps * slices)
-    if tile:
-        return size + TILE * (head_dim // 2 + 1) * 4 + TILE * head_dim * 2
-    return size + 4 * warps * group * (head_dim + 2)
+    """Mirrors the layout at the top of attention.cu's kernel."""
+    group = n_heads // n_kv_heads
+    chunks = -(-group // heads_per_pass(tile))
+    parts = max(1, WARPS // chunks)
+    floats = (1 + parts) * group * head_dim + (2 * parts * group + 3) // 4 * 4
+    return 4 * floats + 2 * 2 * head_dim + 4 * MERGE_HEADS * slices
 
 
 def compile_attention(compute_capability: int):
@@ -55,7 +58,7 @@ def make_attention(mod, n_heads: int, n_kv_heads: int, head_dim: int, slices: in
             np.int32(head_dim), part_o, part_ml, counters, out)
     return Launch("attention" + ("_tile" if tile else "_split"), kernel, (n_kv_heads, slices),
                   (32 * warps_for(n_heads, n_kv_heads, tile),), args,
-                  shared_bytes(n_heads, n_kv_heads, head_dim, slices, tile), bytes_read=kv_bytes)
+                  shared_bytes(n_heads, n_kv_heads, head_dim, slices, tile), bytes_read=kv_bytes, waits=True)
 
 
 def attention_reference(qkv: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, pos: int, n_heads: int,

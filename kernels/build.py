@@ -79,8 +79,11 @@ class Launch:
     double without checking the signature.
     """
 
-    def __init__(self, name: str, kernel, grid, block, args, shared_mem: int = 0, bytes_read: int = 0):
+    def __init__(self, name: str, kernel, grid, block, args, shared_mem: int = 0, bytes_read: int = 0,
+                 waits: bool = False):
         self.name = name
+        self.waits = waits                 # the kernel calls pdl_wait() before touching activations
+        self._early = None
         self.kernel = kernel
         self.grid = tuple(int(g) for g in grid)
         self.block = tuple(int(b) for b in block)
@@ -90,8 +93,16 @@ class Launch:
         if self.shared_mem > 48 * 1024:
             kernel.max_dynamic_shared_size_bytes = self.shared_mem
 
-    def __call__(self, stream=None):
-        self.kernel(self.grid, self.block, self.args, shared_mem=self.shared_mem, stream=stream)
+    def __call__(self, stream=None, early: bool = False):
+        """early: with programmatic dependent launch (kernels/pdl.py), if the kernel supports it."""
+        if early and self.waits:
+            if self._early is None:
+                from tinyinfer.kernels.pdl import EarlyLaunch
+
+                self._early = EarlyLaunch(self)
+            self._early(stream)
+        else:
+            self.kernel(self.grid, self.block, self.args, shared_mem=self.shared_mem, stream=stream)
 
     def __repr__(self):
         return f"Launch({self.name}, grid={self.grid}, block={self.block}, smem={self.shared_mem})"

@@ -68,6 +68,22 @@ TI_DEVICE void mma_16816(float (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, 
 #endif
 }
 
+// Programmatic dependent launch (sm_90+, see kernels/pdl.py). A kernel launched early may read
+// weights, but must pdl_wait() before it touches activations the previous kernel writes or reads;
+// pdl_launch_dependents() lets the next kernel start as soon as every block of this one runs.
+// Without the launch attribute (and before Hopper) both are no-ops.
+TI_DEVICE void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+
+TI_DEVICE void pdl_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
 // Weights are read once per token: stream them past L1.
 TI_DEVICE uint4 load_stream(const void* p) {
     uint4 v;

@@ -8,11 +8,11 @@
 // Arithmetic. Weights are turned into exact fp16 values with bit operations (q4: nibble | 0x6400
 // is 1024+n in fp16; q8: byte | 0x6400 is 1024+u) and multiplied on the tensor cores with
 // mma.m16n8k16 (fp32 accumulation). The input vector x is staged once per block in shared memory
-// as fp16, in the order the mma fragments want it. The mma's 8 output columns separate the
-// quantization groups: B column c holds x only for the k's of group c of the chunk, zeros
-// elsewhere, so D[row][c] is the dot product of one group, and the lane that holds it multiplies
-// by that group's scale in fp32. x is staged as two fp16 vectors, hi + lo (lo = the rounding error
-// of hi), multiplied separately: the result is as exact as with fp32 x.
+// as two fp16 vectors, hi + lo (lo = the rounding error of hi), in the order the mma fragments want
+// it. The mma's 8 output columns hold (section, hi/lo) pairs: each lane's 16-byte load is one
+// "section" of columns inside one quantization group, and B column 2t / 2t+1 carries x_hi / x_lo
+// of section t only (see gemv below), so one mma yields each lane's own section's dot product,
+// as exact as with fp32 x, which the lane scales by its group's scale in fp32.
 //
 // Fusions. The input stage can apply RMSNorm (x * rsqrt(mean(x^2)+eps) * w) or SwiGLU
 // (silu(gate) * up) while converting x; the epilogue stores y or adds it into a residual.
@@ -34,9 +34,9 @@
 
 // k values covered by one 16-byte load of a row.
 template <int WT> struct Weights;
-template <> struct Weights<W_F16> { static constexpr int KPL = 8;  static constexpr u32 ZERO = 0u; };
-template <> struct Weights<W_Q8>  { static constexpr int KPL = 16; static constexpr u32 ZERO = 0u; };
-template <> struct Weights<W_Q4>  { static constexpr int KPL = 32; static constexpr u32 ZERO = 0x88888888u; };
+template <> struct Weights<W_F16> { static constexpr int KPL = 8; };
+template <> struct Weights<W_Q8>  { static constexpr int KPL = 16; };
+template <> struct Weights<W_Q4>  { static constexpr int KPL = 32; };
 
 // Staged position of column k: 8 halves of padding after every 64 keep the four lanes of a row
 // on different shared-memory banks. q4 also permutes each 8-group to (0,4,1,5,2,6,3,7), the order
@@ -47,6 +47,13 @@ template <int WT>
 __device__ __forceinline__ int staged_slot(int i) {    // slot of element i (0..7) within its 8-group
     if (WT == W_Q4) return ((i & 3) << 1) | (i >> 2);
     return i;
+}
+
+// (a & mask) | bits in one LOP3: written as C, the compiler emits two (one immediate per LOP3).
+__device__ __forceinline__ u32 and_or(u32 a, u32 mask, u32 bits) {
+    u32 r;
+    asm("lop3.b32 %0, %1, %2, %3, 0xEA;\n" : "=r"(r) : "r"(a), "r"(mask), "r"(bits));
+    return r;
 }
 
 // A-fragment pair (k pair a0, k pair a2) for mma number `i` (0 .. KPL/4-1) of a 16-byte load.
@@ -66,15 +73,15 @@ __device__ __forceinline__ void a_pair(const uint4& v, int i, u32& lo, u32& hi) 
         const __half2 bias_lo = __half2half2(__ushort_as_half((unsigned short)0x6408));  // 1032
         const __half2 sixteenth = __half2half2(__ushort_as_half((unsigned short)0x2C00)); // 1/16
         const __half2 bias_hi = __half2half2(__ushort_as_half((unsigned short)0xD480));   // -72
-        lo = as_u32(__hsub2(as_half2((word & 0x000F000Fu) | 0x64006400u), bias_lo));
-        hi = as_u32(__hfma2(as_half2((word & 0x00F000F0u) | 0x64006400u), sixteenth, bias_hi));
+        lo = as_u32(__hsub2(as_half2(and_or(word, 0x000F000Fu, 0x64006400u)), bias_lo));
+        hi = as_u32(__hfma2(as_half2(and_or(word, 0x00F000F0u, 0x64006400u)), sixteenth, bias_hi));
     }
 }
 
 // Convert (and normalise / gate) the input vector into fp16 shared memory. kc >= K is the staged
-// length (a whole number of chunks); columns K..kc-1 are zero. Each thread issues the global loads
+// length (a whole number of chunks); columns K..kc-1 are zero. Each thread may issue the global loads
 // of several 8-column groups before using any (the stage sits on every GEMV's critical path).
-#define STAGE_BATCH 2
+#define STAGE_BATCH 1
 
 template <int IN>
 __device__ __forceinline__ float stage_value(const float* __restrict__ x, const float* __restrict__ aux, int K, int k,
@@ -139,7 +146,7 @@ __device__ __forceinline__ void stage_input(__half* xs, __half* xs_lo, const flo
                 if (b < full) {
                     if (IN == IN_PLAIN) value = v[u][i];
                     else if (IN == IN_RMSNORM) value = v[u][i] * scale * w[u][i];
-                    else value = v[u][i] / (1.f + expf(-v[u][i])) * w[u][i];
+                    else value = v[u][i] / (1.f + __expf(-v[u][i])) * w[u][i];
                 } else {
                     value = stage_value<IN>(x, aux, K, b * 8 + i, scale);
                 }
@@ -168,11 +175,19 @@ __device__ __forceinline__ int gemv_scratch_bytes(int nwarps, int rt) {
 
 // Persistent blocks: the grid is sized to what stays resident on the GPU, each block stages x once
 // and then walks its row tiles (tile = blockIdx.x, + gridDim.x, ...). Every warp's work is the list
-// of (tile, chunk) items; register double buffering keeps the loads of the next item (also across a
-// tile boundary) in flight while the current one is multiplied, so the DRAM queue never drains
-// while a block reduces a tile.
+// of (tile, chunk) items; a ring of DEPTH register buffers keeps the loads of the next DEPTH-1
+// items (also across tile boundaries) in flight while the current one is multiplied, so the DRAM
+// queue never drains while a block reduces a tile.
+//
+// B operand. Lane (g, t) holds A's k positions of "section" t: the 32 (q4) / 16 (q8) / 8 (f16)
+// columns of its own 16-byte load, which lie in one quantization group. B column n carries x for
+// section n/2 only, x_hi in even and x_lo in odd columns, so the lanes with g/2 == t feed B and
+// the others feed zeros. Then D[g][2t] + D[g][2t+1] is row g's exact dot product over section t,
+// held by the lane that loaded that section and knows its group scale: one mma per 16 columns.
+template <int RT> struct Pipeline { static constexpr int DEPTH = RT == 1 ? 4 : 2; };
+
 template <int WT, int G, int RT, int IN, int OUT>
-__global__ void __launch_bounds__(256) gemv(
+__global__ void __launch_bounds__(256, 2) gemv(
     const unsigned char* __restrict__ w,     // tensor start: values, row-major, kpad columns
     const __half* __restrict__ scales,       // q8/q4: [rows][kpad/G]; f16: unused
     int rows, int kpad, int K,               // K: logical input length (x has K valid values)
@@ -184,9 +199,8 @@ __global__ void __launch_bounds__(256) gemv(
     constexpr int KPL = Weights<WT>::KPL;
     constexpr int CW = NL * 4 * KPL;                          // k per chunk
     constexpr int BYTES_PER_K2 = WT == W_Q4 ? 1 : WT == W_Q8 ? 2 : 4;   // bytes per 2 columns
-    constexpr int NCOL = WT == W_F16 ? 1 : CW / G;            // groups per chunk (mma columns used)
-    static_assert(NCOL <= 8, "a chunk may span at most 8 quantization groups");
-    static_assert(RT == 1 || RT == 2, "two register buffers of RT 16-row tiles");
+    constexpr int DEPTH = Pipeline<RT>::DEPTH;
+    static_assert(WT == W_F16 || G % KPL == 0, "a 16-byte load must stay inside one quantization group");
 
     extern __shared__ __align__(16) unsigned char smem[];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
@@ -203,101 +217,84 @@ __global__ void __launch_bounds__(256) gemv(
     const int my_chunks = warp < nchunks ? (nchunks - 1 - warp) / nwarps + 1 : 0;
     const int n_items = my_tiles * my_chunks;
 
-    // B columns: for load j this lane's k's belong to group column col(j); it supplies x to the
-    // mma only in that column (lanes with g == col), zeros elsewhere.
-    u32 bmask[NL];
-#pragma unroll
-    for (int j = 0; j < NL; ++j) {
-        const int col = WT == W_F16 ? 0 : (j * 4 * KPL + t * KPL) / G;
-        bmask[j] = (g == col) ? 0xffffffffu : 0u;
-    }
+    const bool feeds_b = (g >> 1) == t;
+    const __half* x_mine = (g & 1) ? xs_lo : xs;
+    uint4* x_zeros = reinterpret_cast<uint4*>(xs_lo + staged_index(nchunks * CW));   // 64 zero bytes
+    if (threadIdx.x < 4) x_zeros[threadIdx.x] = make_uint4(0u, 0u, 0u, 0u);
 
-    auto item_tile = [&](int it) { return (int)blockIdx.x + (it / my_chunks) * (int)gridDim.x; };
-    auto item_chunk = [&](int it) { return warp + (it % my_chunks) * nwarps; };
+    uint4 wv[DEPTH][RT][2][NL];     // weights of rows g, g+8 of each 16-row tile
+    __half sc[DEPTH][RT][2][NL];    // their group scales, raw: converting here would wait for the load
 
-    auto load_item = [&](uint4 (&wv)[RT][2][NL], float (&sc)[RT][2][2], int it) {
-        const int tile = item_tile(it), c = item_chunk(it), kb = c * CW;
+    auto load_item = [&](int b, int tile, int chunk) {
+        const int kb = chunk * CW, row0 = tile * 16 * RT;
 #pragma unroll
         for (int rt = 0; rt < RT; ++rt)
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
-                const int r = min(tile * 16 * RT + rt * 16 + g + 8 * h, rows - 1);   // clamped: loads stay in bounds
+                const int r = min(row0 + rt * 16 + g + 8 * h, rows - 1);   // clamped: loads stay in bounds
                 const unsigned char* row = w + (size_t)r * row_bytes;
 #pragma unroll
                 for (int j = 0; j < NL; ++j) {
-                    const int k0 = kb + j * 4 * KPL + t * KPL;
-                    if (k0 < kpad) {
-                        wv[rt][h][j] = load_stream(row + (size_t)k0 * BYTES_PER_K2 / 2);
-                    } else {
-                        const u32 z = Weights<WT>::ZERO;
-                        wv[rt][h][j] = make_uint4(z, z, z, z);
-                    }
-                }
-                if (WT != W_F16) {
-#pragma unroll
-                    for (int e = 0; e < 2; ++e) {
-                        const int col = 2 * t + e;
-                        const int gi = c * NCOL + col;
-                        sc[rt][h][e] = (col < NCOL && gi < ngroups)
-                                           ? __half2float(scales[(size_t)r * ngroups + gi]) : 0.f;
-                    }
+                    // A section past the row end (the last chunk may be partial) reloads the row's
+                    // last section, counted with scale 0: no branch, no zero fill.
+                    const int k0 = kb + j * 4 * KPL + t * KPL, kc = min(k0, kpad - KPL);
+                    wv[b][rt][h][j] = load_stream(row + (size_t)kc * BYTES_PER_K2 / 2);
+                    if (WT != W_F16) sc[b][rt][h][j] = scales[(size_t)r * ngroups + kc / G];   // converted when used
                 }
             }
     };
 
-    auto compute_item = [&](const uint4 (&wv)[RT][2][NL], const float (&sc)[RT][2][2], int it, float (&acc)[RT][2]) {
-        float d[RT][4], e[RT][4];      // products with the high and the low halves of x
-#pragma unroll
-        for (int rt = 0; rt < RT; ++rt)
-#pragma unroll
-            for (int i = 0; i < 4; ++i) d[rt][i] = e[rt][i] = 0.f;
-        const int kb = item_chunk(it) * CW;
+    auto compute_item = [&](int b, int chunk, float (&acc)[RT][2]) {
+        const int kb = chunk * CW;
 #pragma unroll
         for (int j = 0; j < NL; ++j) {
-            const int k0 = kb + j * 4 * KPL + t * KPL;
-            const uint4* xp = reinterpret_cast<const uint4*>(xs + staged_index(k0));
-            const uint4* xlp = reinterpret_cast<const uint4*>(xs_lo + staged_index(k0));
+            float d[RT][4];
+#pragma unroll
+            for (int rt = 0; rt < RT; ++rt) d[rt][0] = d[rt][1] = d[rt][2] = d[rt][3] = 0.f;
+            // Lanes that feed no B column read zeros (the same bytes for all: a broadcast, no branch).
+            const uint4* xp = feeds_b ? reinterpret_cast<const uint4*>(x_mine + staged_index(kb + j * 4 * KPL + t * KPL))
+                                      : x_zeros;
 #pragma unroll
             for (int q = 0; q < KPL / 8; ++q) {      // 8 staged halves feed two mmas
-                const uint4 xv = xp[q], xl = xlp[q];
-                const u32 b00 = xv.x & bmask[j], b01 = xv.y & bmask[j];
-                const u32 b10 = xv.z & bmask[j], b11 = xv.w & bmask[j];
-                const u32 c00 = xl.x & bmask[j], c01 = xl.y & bmask[j];
-                const u32 c10 = xl.z & bmask[j], c11 = xl.w & bmask[j];
+                const uint4 xv = xp[q];
 #pragma unroll
                 for (int rt = 0; rt < RT; ++rt) {
                     u32 g_lo, g_hi, g8_lo, g8_hi;
-                    a_pair<WT>(wv[rt][0][j], 2 * q, g_lo, g_hi);
-                    a_pair<WT>(wv[rt][1][j], 2 * q, g8_lo, g8_hi);
-                    mma_16816(d[rt], g_lo, g8_lo, g_hi, g8_hi, b00, b01);
-                    mma_16816(e[rt], g_lo, g8_lo, g_hi, g8_hi, c00, c01);
-                    a_pair<WT>(wv[rt][0][j], 2 * q + 1, g_lo, g_hi);
-                    a_pair<WT>(wv[rt][1][j], 2 * q + 1, g8_lo, g8_hi);
-                    mma_16816(d[rt], g_lo, g8_lo, g_hi, g8_hi, b10, b11);
-                    mma_16816(e[rt], g_lo, g8_lo, g_hi, g8_hi, c10, c11);
+                    a_pair<WT>(wv[b][rt][0][j], 2 * q, g_lo, g_hi);
+                    a_pair<WT>(wv[b][rt][1][j], 2 * q, g8_lo, g8_hi);
+                    mma_16816(d[rt], g_lo, g8_lo, g_hi, g8_hi, xv.x, xv.y);
+                    a_pair<WT>(wv[b][rt][0][j], 2 * q + 1, g_lo, g_hi);
+                    a_pair<WT>(wv[b][rt][1][j], 2 * q + 1, g8_lo, g8_hi);
+                    mma_16816(d[rt], g_lo, g8_lo, g_hi, g8_hi, xv.z, xv.w);
                 }
             }
-        }
-        // d[rt] + e[rt] = {D[g][2t], D[g][2t+1], D[g+8][2t], D[g+8][2t+1]}
+            // d[rt] = {D[g][2t], D[g][2t+1], D[g+8][2t], D[g+8][2t+1]}: x_hi and x_lo parts of section t
+            const bool inside = kb + j * 4 * KPL + t * KPL < kpad;     // else the section was a reload
 #pragma unroll
-        for (int rt = 0; rt < RT; ++rt) {
-            const float d0 = d[rt][0] + e[rt][0], d1 = d[rt][1] + e[rt][1];
-            const float d2 = d[rt][2] + e[rt][2], d3 = d[rt][3] + e[rt][3];
-            if (WT == W_F16) {
-                acc[rt][0] += d0 + d1;
-                acc[rt][1] += d2 + d3;
-            } else {
-                acc[rt][0] += d0 * sc[rt][0][0] + d1 * sc[rt][0][1];
-                acc[rt][1] += d2 * sc[rt][1][0] + d3 * sc[rt][1][1];
+            for (int rt = 0; rt < RT; ++rt) {
+                const float s0 = WT == W_F16 ? 1.f : __half2float(sc[b][rt][0][j]);
+                const float s1 = WT == W_F16 ? 1.f : __half2float(sc[b][rt][1][j]);
+                acc[rt][0] = fmaf(d[rt][0] + d[rt][1], inside ? s0 : 0.f, acc[rt][0]);
+                acc[rt][1] = fmaf(d[rt][2] + d[rt][3], inside ? s1 : 0.f, acc[rt][1]);
             }
         }
     };
 
-    uint4 wa[RT][2][NL], wb[RT][2][NL];
-    float sa[RT][2][2], sb[RT][2][2];   // scales of mma columns 2t, 2t+1 for rows g, g+8
-    // The first two items' weights are in flight while the input is staged.
-    if (n_items > 0) load_item(wa, sa, 0);
-    if (n_items > 1) load_item(wb, sb, 1);
+    // The first DEPTH items' weights are in flight while the previous kernel finishes (PDL) and
+    // while the input is staged.
+    pdl_launch_dependents();
+    int next_ti = 0, next_k = 0;       // the next item to load: tile index ti, chunk index k
+    auto load_next = [&](int b) {
+        load_item(b, (int)blockIdx.x + next_ti * (int)gridDim.x, warp + next_k * nwarps);
+        if (++next_k == my_chunks) {
+            next_k = 0;
+            ++next_ti;
+        }
+    };
+#pragma unroll
+    for (int b = 0; b < DEPTH; ++b)
+        if (b < n_items) load_next(b);
+    pdl_wait();
     stage_input<WT, IN>(xs, xs_lo, x, aux, K, nchunks * CW, eps, red);
     __syncthreads();
 
@@ -307,12 +304,13 @@ __global__ void __launch_bounds__(256) gemv(
 #pragma unroll
         for (int rt = 0; rt < RT; ++rt) acc[rt][0] = acc[rt][1] = 0.f;
         for (int k = 0; k < my_chunks; ++k, ++it) {
-            if ((it & 1) == 0) {
-                compute_item(wa, sa, it, acc);
-                if (it + 2 < n_items) load_item(wa, sa, it + 2);
-            } else {
-                compute_item(wb, sb, it, acc);
-                if (it + 2 < n_items) load_item(wb, sb, it + 2);
+            // Register arrays need constant indices: one unrolled copy per ring slot.
+#pragma unroll
+            for (int b = 0; b < DEPTH; ++b) {
+                if (it % DEPTH == b) {
+                    compute_item(b, warp + k * nwarps, acc);
+                    if (it + DEPTH < n_items) load_next(b);
+                }
             }
         }
         // Sum the four lanes of each row, then the warps (red is double-buffered by tile parity, so

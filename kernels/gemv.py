@@ -78,7 +78,7 @@ def staged_halves(shape: GemvShape) -> int:
 def shared_bytes(shape: GemvShape, config: GemvConfig) -> int:
     scratch = max(2 * config.warps * 16 * config.row_tiles, 32) * 4
     scratch = (scratch + 15) // 16 * 16
-    return scratch + 2 * 2 * staged_halves(shape)      # x as fp16 hi and lo halves
+    return scratch + 2 * 2 * staged_halves(shape) + 64   # x as fp16 hi and lo halves, 64 zero bytes
 
 
 def scale_offset(shape: GemvShape) -> int:
@@ -119,7 +119,7 @@ def make_gemv(mod, shape: GemvShape, config: GemvConfig, weight, x, y, aux=None,
     args = (np.uint64(w_ptr), np.uint64(scale_ptr), np.int32(shape.rows), np.int32(shape.cols_pad),
             np.int32(shape.cols), x, aux if aux is not None else np.uint64(0), np.float32(eps), y)
     return Launch(name, kernel, (min(tiles, per_sm * sms),), (32 * config.warps,), args, shared,
-                  bytes_read=shape.weight_bytes)
+                  bytes_read=shape.weight_bytes, waits=True)
 
 
 def gemv_reference(tensor, x: np.ndarray, input: str = "plain", aux=None, eps: float = 0.0,

@@ -140,6 +140,7 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_token(
     const void* __restrict__ emb_table, int emb_encoding, int emb_cols_pad, int dim,
     float* __restrict__ x)                 // the next step's input: the embedding of the chosen token
 {
+    pdl_wait();                            // logits come from the output GEMV
     __shared__ double scratch_d[32];
     __shared__ ArgBest scratch_a[32];
     __shared__ u32 hist[256];

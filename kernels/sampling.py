@@ -34,4 +34,4 @@ def make_sampler(mod, vocab: int, logits, params, uniforms, seen, scratch, state
     args = (logits, np.int32(vocab), params, uniforms, np.int32(uniforms.size), seen, scratch, state,
             out_tokens, np.int32(out_tokens.size), embedding, np.int32(EMBEDDING_ID[embedding_encoding]),
             np.int32(embedding_cols_pad), np.int32(x.size), x)
-    return Launch("sample+embed", kernel, (1,), (THREADS,), args, 0, bytes_read=4 * vocab)
+    return Launch("sample+embed", kernel, (1,), (THREADS,), args, 0, bytes_read=4 * vocab, waits=True)

@@ -17,6 +17,7 @@ reads tokens back. Tokens the host feeds (prompts, forward()) are embedded by a 
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 
@@ -136,6 +137,8 @@ class CudaBackend(Backend):
         self.compute_capability = int(device.compute_capability)
         self.n_sms = int(props["multiProcessorCount"])
         self.l2_bytes = int(props.get("l2CacheSize", 64 << 20))
+        # Programmatic dependent launch inside the decode graph (Hopper+); TINYINFER_PDL=0 turns it off.
+        self.pdl = self.compute_capability >= 90 and os.environ.get("TINYINFER_PDL", "1") != "0"
         if self.compute_capability < build.MIN_COMPUTE_CAPABILITY:
             raise DeviceError(f"{self.gpu_name} has compute capability {self.compute_capability / 10:.1f}; the CUDA "
                               "backend needs 7.5 (Turing) or newer, so run with --device cpu.")
@@ -279,9 +282,14 @@ class CudaBackend(Backend):
         stream.begin_capture()
         try:
             for launch in launches:
-                launch(stream)
-        finally:
-            graph = stream.end_capture()
+                launch(stream, early=self.pdl)
+        except BaseException:
+            try:
+                stream.end_capture()        # leave the stream usable; report the launch's own error
+            except Exception:
+                pass
+            raise
+        graph = stream.end_capture()
         graph.upload(stream)
         return graph
 
@@ -334,7 +342,8 @@ class CudaBackend(Backend):
 
     def describe(self) -> str:
         lines = [f"cuda backend: {self.gpu_name} (sm_{self.compute_capability}, {self.n_sms} SMs), "
-                 f"{len(self.step)} kernels per token in one CUDA graph, attention "
+                 f"{len(self.step)} kernels per token in one CUDA graph "
+                 f"({'with' if self.pdl else 'without'} programmatic dependent launch), attention "
                  f"{'tiled (grouped heads)' if attn_k.use_tile(self.n_heads, self.n_kv) else 'split-K'} "
                  f"x {self.slices} slices",
                  f"load {self.timings['load_s']:.2f} s (upload {self.timings['upload_s']:.2f} s, compile "

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Everything the CUDA backend needs checked on a real GPU, in one call:
 #   tests/gpu_run.sh [STAGE ...]   stages: env ncu kernels model prefill bench bench-all bench:SHAPE:QUANT
+#                                  nopdl:SHAPE:QUANT (bench with TINYINFER_PDL=0)
 #                                  (default: env kernels model prefill bench; KERNELS_K=expr filters kernels)
 # Installs the package, runs `pytest -m gpu`, benchmarks random-weight models, and leaves the logs
 # in $OUT (results.tar.gz plus summary.txt, printed last). Test assets must be in ./gpu_assets
@@ -67,8 +68,9 @@ if has prefill; then
     grep -E "relative error|^(FAILED|ERROR)" "$LOGS/pytest-prefill.log" | head -n 30 | tee -a "$SUMMARY"
 fi
 
-bench() {   # shape quant
-    local name="bench-$1-$2"
+bench() {   # shape quant [label], environment passed through (e.g. TINYINFER_PDL=0)
+    local name="bench-$1-$2${3:+-$3}"
+    echo -n "${3:+[$3] }" | tee -a "$SUMMARY"
     timeout ${BENCH_TIMEOUT:-300} $PY examples/bench_random.py --shape "$1" --quant "$2" --json "$LOGS/$name.json" --verbose \
         > "$LOGS/$name.log" 2>&1
     $PY - "$LOGS/$name.json" <<'EOF' | tee -a "$SUMMARY" || note "$name: failed, see $name.log"
@@ -89,6 +91,9 @@ if has bench; then
 fi
 for stage in $STAGES; do
     if [[ $stage == bench:*:* ]]; then IFS=: read -r _ shape quant <<< "$stage"; bench "$shape" "$quant"; fi
+    if [[ $stage == nopdl:*:* ]]; then    # the same benchmark without programmatic dependent launch
+        IFS=: read -r _ shape quant <<< "$stage"; TINYINFER_PDL=0 bench "$shape" "$quant" nopdl
+    fi
 done
 if has bench-all; then
     bench tinyllama q4
