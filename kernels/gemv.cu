@@ -5,8 +5,9 @@
 // takes chunks w, w+nwarps, ...). Per chunk a lane issues 2*NL*RT independent 16-byte loads (rows
 // g and g+8 of each 16-row tile). Blocks are persistent and walk several tiles (see gemv below).
 //
-// Arithmetic. Weights are turned into exact fp16 values with bit operations (q4: nibble | 0x6400
-// is 1024+n in fp16; q8: byte | 0x6400 is 1024+u) and multiplied on the tensor cores with
+// Arithmetic. Weights are turned into fp16 values with one LOP3 per pair (q4: nibble | 0x6400 is
+// 1024+n; q8: byte | 0x6400 is 1024+u), their constant bias corrected once per section of x (see
+// weight_bias), and multiplied on the tensor cores with
 // mma.m16n8k16 (fp32 accumulation). The input vector x is staged once per block in shared memory
 // as two fp16 vectors, hi + lo (lo = the rounding error of hi), in the order the mma fragments want
 // it. The mma's 8 output columns hold (section, hi/lo) pairs: each lane's 16-byte load is one
@@ -63,26 +64,37 @@ __device__ __forceinline__ void a_pair(const uint4& v, int i, u32& lo, u32& hi) 
     if (WT == W_F16) {
         lo = w[2 * i];
         hi = w[2 * i + 1];
-    } else if (WT == W_Q8) {
-        const u32 u = w[i] ^ 0x80808080u;                     // signed byte b -> unsigned b + 128
-        const __half2 bias = __half2half2(__ushort_as_half((unsigned short)0x6480));   // 1152 = 1024 + 128
-        lo = as_u32(__hsub2(as_half2(__byte_perm(u, 0x64646464u, 0x4140)), bias));
-        hi = as_u32(__hsub2(as_half2(__byte_perm(u, 0x64646464u, 0x4342)), bias));
-    } else {
+    } else if (WT == W_Q8) {                 // 1024 + (b + 128) = 1152 + q: the bias is corrected later
+        const u32 u = w[i] ^ 0x80808080u;    // signed byte b -> unsigned b + 128
+        lo = __byte_perm(u, 0x64646464u, 0x4140);
+        hi = __byte_perm(u, 0x64646464u, 0x4342);
+    } else {                                 // 1024 + n (even columns), 1024 + 16 n (odd columns)
         const u32 word = (i & 1) ? (w[i >> 1] >> 8) : w[i >> 1];
-        const __half2 bias_lo = __half2half2(__ushort_as_half((unsigned short)0x6408));  // 1032
-        const __half2 sixteenth = __half2half2(__ushort_as_half((unsigned short)0x2C00)); // 1/16
-        const __half2 bias_hi = __half2half2(__ushort_as_half((unsigned short)0xD480));   // -72
-        lo = as_u32(__hsub2(as_half2(and_or(word, 0x000F000Fu, 0x64006400u)), bias_lo));
-        hi = as_u32(__hfma2(as_half2(and_or(word, 0x00F000F0u, 0x64006400u)), sixteenth, bias_hi));
+        lo = and_or(word, 0x000F000Fu, 0x64006400u);
+        hi = and_or(word, 0x00F000F0u, 0x64006400u);
     }
 }
 
-// Convert (and normalise / gate) the input vector into fp16 shared memory. kc >= K is the staged
-// length (a whole number of chunks); columns K..kc-1 are zero. Each thread may issue the global loads
-// of several 8-column groups before using any (the stage sits on every GEMV's critical path).
-#define STAGE_BATCH 1
+// Weight bias. The A fragments are the raw fp16 values of the bit trick, without subtracting the
+// bias: q4 gives 1024 + n at even columns and 1024 + 16 n at odd ones (n = q + 8), q8 gives
+// 1152 + q. Odd q4 columns are staged as x / 16 (exact), so every product is q x + c x with
+// c = 1032 (even) or 72 (odd) for q4 and 1152 for q8, and the kernel subtracts, per section of KPL
+// columns, corr = sum c x computed once here. The raw products stay exact in fp32 and the sums
+// carry about 2^-24 * 1032 * sum|x| of rounding, ~1e-5 of the result.
+template <int WT>
+__device__ __forceinline__ float weight_bias(int i) {      // i: column within its group of 8
+    if (WT == W_Q4) return (i & 1) ? 72.f : 1032.f;
+    return WT == W_Q8 ? 1152.f : 0.f;
+}
 
+template <int WT>
+__device__ __forceinline__ float staged_factor(int i) {
+    return (WT == W_Q4 && (i & 1)) ? 0.0625f : 1.f;
+}
+
+// Convert (and normalise / gate) the input vector into fp16 shared memory, and write the bias
+// correction of each section to corr. kc >= K is the staged length (a whole number of chunks);
+// columns K..kc-1 are zero.
 template <int IN>
 __device__ __forceinline__ float stage_value(const float* __restrict__ x, const float* __restrict__ aux, int K, int k,
                                              float scale) {
@@ -90,7 +102,7 @@ __device__ __forceinline__ float stage_value(const float* __restrict__ x, const 
     if (IN == IN_PLAIN) return x[k];
     if (IN == IN_RMSNORM) return x[k] * scale * aux[k];
     const float gate = x[k];
-    return gate / (1.f + expf(-gate)) * x[K + k];
+    return gate / (1.f + __expf(-gate)) * x[K + k];
 }
 
 __device__ __forceinline__ void load8(const float* p, float (&v)[8]) {
@@ -99,24 +111,20 @@ __device__ __forceinline__ void load8(const float* p, float (&v)[8]) {
 }
 
 template <int WT, int IN>
-__device__ __forceinline__ void stage_input(__half* xs, __half* xs_lo, const float* __restrict__ x, const float* __restrict__ aux,
-                                            int K, int kc, float eps, float* scratch) {
+__device__ __forceinline__ void stage_input(__half* xs, __half* xs_lo, float* corr, const float* __restrict__ x,
+                                            const float* __restrict__ aux, int K, int kc, float eps, float* scratch) {
+    constexpr int GROUPS_PER_SECTION = Weights<WT>::KPL / 8;
     const bool vector = (K & 7) == 0;          // whole, 16-byte aligned groups of 8 (buffers are aligned)
     const int groups = kc >> 3, full = vector ? (K >> 3) : 0;
     float scale = 1.f;
     if (IN == IN_RMSNORM) {
         float ss = 0.f;
         if (vector) {
-            for (int b0 = threadIdx.x; b0 < full; b0 += STAGE_BATCH * blockDim.x) {
-                float v[STAGE_BATCH][8];
+            for (int b = threadIdx.x; b < full; b += blockDim.x) {
+                float v[8];
+                load8(x + 8 * b, v);
 #pragma unroll
-                for (int u = 0; u < STAGE_BATCH; ++u)
-                    if (b0 + u * (int)blockDim.x < full) load8(x + 8 * (b0 + u * blockDim.x), v[u]);
-#pragma unroll
-                for (int u = 0; u < STAGE_BATCH; ++u)
-                    if (b0 + u * (int)blockDim.x < full)
-#pragma unroll
-                        for (int i = 0; i < 8; ++i) ss += v[u][i] * v[u][i];
+                for (int i = 0; i < 8; ++i) ss += v[i] * v[i];
             }
         } else {
             for (int k = threadIdx.x; k < K; k += blockDim.x) ss += x[k] * x[k];
@@ -124,46 +132,46 @@ __device__ __forceinline__ void stage_input(__half* xs, __half* xs_lo, const flo
         ss = block_sum(ss, scratch);
         scale = rsqrtf(ss / (float)K + eps);
     }
-    for (int b0 = threadIdx.x; b0 < groups; b0 += STAGE_BATCH * blockDim.x) {
-        float v[STAGE_BATCH][8], w[STAGE_BATCH][8];
+    // Every thread runs every iteration (the section sums shuffle across lanes); groups past the
+    // staged length are computed as zeros and not stored.
+    for (int base = 0; base < groups; base += blockDim.x) {
+        const int b = base + threadIdx.x;
+        float v[8], w[8];
+        if (b < full) {
+            load8(x + 8 * b, v);
+            if (IN == IN_RMSNORM) load8(aux + 8 * b, w);
+            if (IN == IN_SWIGLU) load8(x + K + 8 * b, w);
+        }
+        float out[8], bias_sum = 0.f;
 #pragma unroll
-        for (int u = 0; u < STAGE_BATCH; ++u) {
-            const int b = b0 + u * blockDim.x;
+        for (int i = 0; i < 8; ++i) {
+            float value;
             if (b < full) {
-                load8(x + 8 * b, v[u]);
-                if (IN == IN_RMSNORM) load8(aux + 8 * b, w[u]);
-                if (IN == IN_SWIGLU) load8(x + K + 8 * b, w[u]);
+                if (IN == IN_PLAIN) value = v[i];
+                else if (IN == IN_RMSNORM) value = v[i] * scale * w[i];
+                else value = v[i] / (1.f + __expf(-v[i])) * w[i];
+            } else {
+                value = b < groups ? stage_value<IN>(x, aux, K, b * 8 + i, scale) : 0.f;
             }
+            bias_sum += weight_bias<WT>(i) * value;
+            out[staged_slot<WT>(i)] = value * staged_factor<WT>(i);
         }
+        // A section is GROUPS_PER_SECTION consecutive groups, held by consecutive lanes.
 #pragma unroll
-        for (int u = 0; u < STAGE_BATCH; ++u) {
-            const int b = b0 + u * blockDim.x;
-            if (b >= groups) continue;
-            float out[8];
+        for (int o = 1; o < GROUPS_PER_SECTION; o <<= 1) bias_sum += __shfl_xor_sync(0xffffffffu, bias_sum, o);
+        if (b >= groups) continue;
+        if (WT != W_F16 && b % GROUPS_PER_SECTION == 0) corr[b / GROUPS_PER_SECTION] = bias_sum;
+        // x = hi + lo, both fp16: B columns for both make the product as exact as fp32 inputs would.
+        u32 hi[4], lo[4];
 #pragma unroll
-            for (int i = 0; i < 8; ++i) {
-                float value;
-                if (b < full) {
-                    if (IN == IN_PLAIN) value = v[u][i];
-                    else if (IN == IN_RMSNORM) value = v[u][i] * scale * w[u][i];
-                    else value = v[u][i] / (1.f + __expf(-v[u][i])) * w[u][i];
-                } else {
-                    value = stage_value<IN>(x, aux, K, b * 8 + i, scale);
-                }
-                out[staged_slot<WT>(i)] = value;
-            }
-            // x = hi + lo, both fp16: two mmas make the product as exact as fp32 inputs would.
-            u32 hi[4], lo[4];
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                const __half2 h = __floats2half2_rn(out[2 * i], out[2 * i + 1]);
-                const float2 back = __half22float2(h);
-                hi[i] = as_u32(h);
-                lo[i] = pack_half2(out[2 * i] - back.x, out[2 * i + 1] - back.y);
-            }
-            *reinterpret_cast<uint4*>(xs + staged_index(b * 8)) = make_uint4(hi[0], hi[1], hi[2], hi[3]);
-            *reinterpret_cast<uint4*>(xs_lo + staged_index(b * 8)) = make_uint4(lo[0], lo[1], lo[2], lo[3]);
+        for (int i = 0; i < 4; ++i) {
+            const __half2 h = __floats2half2_rn(out[2 * i], out[2 * i + 1]);
+            const float2 back = __half22float2(h);
+            hi[i] = as_u32(h);
+            lo[i] = pack_half2(out[2 * i] - back.x, out[2 * i + 1] - back.y);
         }
+        *reinterpret_cast<uint4*>(xs + staged_index(b * 8)) = make_uint4(hi[0], hi[1], hi[2], hi[3]);
+        *reinterpret_cast<uint4*>(xs_lo + staged_index(b * 8)) = make_uint4(lo[0], lo[1], lo[2], lo[3]);
     }
 }
 
@@ -184,7 +192,6 @@ __device__ __forceinline__ int gemv_scratch_bytes(int nwarps, int rt) {
 // section n/2 only, x_hi in even and x_lo in odd columns, so the lanes with g/2 == t feed B and
 // the others feed zeros. Then D[g][2t] + D[g][2t+1] is row g's exact dot product over section t,
 // held by the lane that loaded that section and knows its group scale: one mma per 16 columns.
-template <int RT> struct Pipeline { static constexpr int DEPTH = RT == 1 ? 4 : 2; };
 
 template <int WT, int G, int RT, int IN, int OUT>
 __global__ void __launch_bounds__(256, 2) gemv(
@@ -199,7 +206,7 @@ __global__ void __launch_bounds__(256, 2) gemv(
     constexpr int KPL = Weights<WT>::KPL;
     constexpr int CW = NL * 4 * KPL;                          // k per chunk
     constexpr int BYTES_PER_K2 = WT == W_Q4 ? 1 : WT == W_Q8 ? 2 : 4;   // bytes per 2 columns
-    constexpr int DEPTH = Pipeline<RT>::DEPTH;
+    constexpr int DEPTH = RT == 1 ? 4 : 2;   // items in flight per warp (depths 2 to 8 measured within 5%)
     static_assert(WT == W_F16 || G % KPL == 0, "a 16-byte load must stay inside one quantization group");
 
     extern __shared__ __align__(16) unsigned char smem[];
@@ -221,6 +228,7 @@ __global__ void __launch_bounds__(256, 2) gemv(
     const __half* x_mine = (g & 1) ? xs_lo : xs;
     uint4* x_zeros = reinterpret_cast<uint4*>(xs_lo + staged_index(nchunks * CW));   // 64 zero bytes
     if (threadIdx.x < 4) x_zeros[threadIdx.x] = make_uint4(0u, 0u, 0u, 0u);
+    float* corr = reinterpret_cast<float*>(x_zeros + 4);       // [nchunks * CW / KPL] bias corrections
 
     uint4 wv[DEPTH][RT][2][NL];     // weights of rows g, g+8 of each 16-row tile
     __half sc[DEPTH][RT][2][NL];    // their group scales, raw: converting here would wait for the load
@@ -269,13 +277,15 @@ __global__ void __launch_bounds__(256, 2) gemv(
                 }
             }
             // d[rt] = {D[g][2t], D[g][2t+1], D[g+8][2t], D[g+8][2t+1]}: x_hi and x_lo parts of section t
-            const bool inside = kb + j * 4 * KPL + t * KPL < kpad;     // else the section was a reload
+            const int section = kb / KPL + 4 * j + t;
+            const bool inside = section * KPL < kpad;                   // else the section was a reload
+            const float c = WT == W_F16 ? 0.f : corr[section];
 #pragma unroll
             for (int rt = 0; rt < RT; ++rt) {
                 const float s0 = WT == W_F16 ? 1.f : __half2float(sc[b][rt][0][j]);
                 const float s1 = WT == W_F16 ? 1.f : __half2float(sc[b][rt][1][j]);
-                acc[rt][0] = fmaf(d[rt][0] + d[rt][1], inside ? s0 : 0.f, acc[rt][0]);
-                acc[rt][1] = fmaf(d[rt][2] + d[rt][3], inside ? s1 : 0.f, acc[rt][1]);
+                acc[rt][0] = fmaf(d[rt][0] + d[rt][1] - c, inside ? s0 : 0.f, acc[rt][0]);
+                acc[rt][1] = fmaf(d[rt][2] + d[rt][3] - c, inside ? s1 : 0.f, acc[rt][1]);
             }
         }
     };
@@ -295,7 +305,7 @@ __global__ void __launch_bounds__(256, 2) gemv(
     for (int b = 0; b < DEPTH; ++b)
         if (b < n_items) load_next(b);
     pdl_wait();
-    stage_input<WT, IN>(xs, xs_lo, x, aux, K, nchunks * CW, eps, red);
+    stage_input<WT, IN>(xs, xs_lo, corr, x, aux, K, nchunks * CW, eps, red);
     __syncthreads();
 
     int it = 0;

@@ -78,7 +78,10 @@ def staged_halves(shape: GemvShape) -> int:
 def shared_bytes(shape: GemvShape, config: GemvConfig) -> int:
     scratch = max(2 * config.warps * 16 * config.row_tiles, 32) * 4
     scratch = (scratch + 15) // 16 * 16
-    return scratch + 2 * 2 * staged_halves(shape) + 64   # x as fp16 hi and lo halves, 64 zero bytes
+    chunk = CHUNK_K[shape.encoding]
+    sections = -(-shape.cols_pad // chunk) * chunk // (chunk // 8)      # KPL = chunk / 8 columns each
+    # x as fp16 hi and lo halves, 64 zero bytes, one float of bias correction per section
+    return scratch + 2 * 2 * staged_halves(shape) + 64 + 4 * sections
 
 
 def scale_offset(shape: GemvShape) -> int:
