@@ -173,3 +173,28 @@ def test_random_models_are_valid_files(small_model):
         assert data_extent(f) <= f.file_size - f.data_offset
         w = f.tensor("layers.0.w_down").to_float32()
         assert w.shape == (64, 172) and 0.5 < w.std() * np.sqrt(172) < 1.5
+
+
+def test_early_launch_marshals_arguments_like_cuda_h():
+    """kernels/pdl.py hands cuLaunchKernelEx a CUlaunchConfig and a void** of argument values; check
+    both without a GPU (the struct layout is cuda.h's on 64-bit Linux)."""
+    import ctypes
+    from types import SimpleNamespace
+
+    from tinyinfer.kernels import pdl
+
+    assert ctypes.sizeof(pdl._LaunchConfig) == 56 and pdl._LaunchConfig.stream.offset == 32
+    assert ctypes.sizeof(pdl._Attribute) == 72 and pdl._Attribute.value.offset == 8
+    array = SimpleNamespace(data=SimpleNamespace(ptr=0xDEAD0000))
+    launch = SimpleNamespace(args=(array, np.int32(-7), np.float32(1.5), np.uint64(2**40)),
+                             kernel=SimpleNamespace(kernel=SimpleNamespace(ptr=1234)),
+                             grid=(80,), block=(256,), shared_mem=4096)
+    early = pdl.EarlyLaunch(launch)
+    assert list(early.config.grid) == [80, 1, 1] and list(early.config.block) == [256, 1, 1]
+    assert early.config.shared_mem == 4096 and early.config.num_attrs == 1
+    assert early.attribute.id == pdl.PROGRAMMATIC_STREAM_SERIALIZATION and early.attribute.value.value == 1
+    read = [ctypes.c_uint64, ctypes.c_int32, ctypes.c_float, ctypes.c_uint64]
+    values = [ctypes.cast(early.pointers[i], ctypes.POINTER(t)).contents.value for i, t in enumerate(read)]
+    assert values == [0xDEAD0000, -7, 1.5, 2**40]
+    with pytest.raises(TypeError):
+        pdl.EarlyLaunch(SimpleNamespace(**{**vars(launch), "args": (7,)}))   # a Python int: size unknown
