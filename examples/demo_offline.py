@@ -43,26 +43,15 @@ CHAT_TEMPLATE = (
 )
 
 
-def tiny_tokenizer_json(vocab_size: int = 384) -> str:
-    """A byte-level BPE tokenizer (any text encodes, nothing is unknown) trained on CORPUS."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<s>", "</s>"], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tokenizer.train_from_iterator(CORPUS, trainer)
-    return tokenizer.to_str()
-
-
 def write_random_checkpoint(folder: Path, seed: int = 0, dim: int = 64, n_layers: int = 2, n_heads: int = 4,
                             n_kv_heads: int = 2, ffn_dim: int = 160, max_context: int = 256) -> Path:
     """A random LlamaForCausalLM checkpoint folder: config.json, model.safetensors, tokenizer files."""
     from safetensors.numpy import save_file
 
+    from tinyinfer.runtime.bench import byte_level_tokenizer_json
+
     folder.mkdir(parents=True, exist_ok=True)
-    tokenizer_json = tiny_tokenizer_json()
+    tokenizer_json = byte_level_tokenizer_json(384, CORPUS)
     vocab = json.loads(tokenizer_json)["model"]["vocab"]
     vocab_size = len(vocab)
     head_dim = dim // n_heads

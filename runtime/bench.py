@@ -79,6 +79,19 @@ def synthetic_tokenizer(vocab_size: int) -> dict:
                                                                  "unk_token": "<unk>"}}
 
 
+def byte_level_tokenizer_json(vocab_size: int, corpus: list[str]) -> str:
+    """A byte-level BPE tokenizer.json trained in memory on `corpus`: any text round-trips through it."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<s>", "</s>"], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator(corpus, trainer)
+    return tokenizer.to_str()
+
+
 def tinf_config(hf: dict, n_layers: int | None = None) -> dict:
     """.tinf config from a Hugging Face config.json dict (optionally with fewer layers)."""
     n_heads = hf["num_attention_heads"]

@@ -299,53 +299,44 @@ def for_prompt(backend, n_tokens: int):
 
 # ----------------------------------------------------------------------------------- measuring
 
-def time_prefill(prefill, token_ids, reps: int = 5) -> float:
-    """Median wall-clock seconds of prefilling token_ids from position 0 (last position's logits),
-    host launch overhead included, after one warm-up run."""
+def median_wall_seconds(stream, run, reps: int) -> float:
+    """Median wall-clock seconds of run() with the stream drained before and after, host time
+    included, over `reps` runs after one warm-up run."""
     import time
 
-    stream = prefill.backend.stream
     times = []
     for i in range(reps + 1):
         stream.synchronize()
         start = time.perf_counter()
-        prefill.run(token_ids, 0, "last")
+        run()
         stream.synchronize()
         if i:
             times.append(time.perf_counter() - start)
     return float(np.median(times))
+
+
+def time_prefill(prefill, token_ids, reps: int = 5) -> float:
+    """Median seconds of prefilling token_ids from position 0 (last position's logits)."""
+    return median_wall_seconds(prefill.backend.stream, lambda: prefill.run(token_ids, 0, "last"), reps)
 
 
 def time_token_steps(backend, token_ids, reps: int = 3) -> float:
-    """Median wall-clock seconds of the decode graph over token_ids, one replay per token."""
-    import time
-
-    times = []
-    for i in range(reps + 1):
-        backend.stream.synchronize()
-        start = time.perf_counter()
+    """Median seconds of the decode graph over token_ids, one replay per token."""
+    def run():
         with backend.stream:
             backend.run_steps(np.asarray(token_ids), 0)
-        backend.stream.synchronize()
-        if i:
-            times.append(time.perf_counter() - start)
-    return float(np.median(times))
+
+    return median_wall_seconds(backend.stream, run, reps)
 
 
 def time_to_first_token(backend, token_ids, reps: int = 3) -> float:
     """Median seconds from generate_ids() to its first (greedy) token, as a user waits for it."""
-    import time
-
     from tinyinfer.runtime.sampling import SamplingParams
 
-    times = []
-    for i in range(reps + 1):
-        backend.stream.synchronize()
-        start = time.perf_counter()
+    def run():
         next(iter(backend.generate_ids(token_ids, 0, SamplingParams(), 1, np.random.default_rng(0))))
-        if i:
-            times.append(time.perf_counter() - start)
-    return float(np.median(times))
+
+    return median_wall_seconds(backend.stream, run, reps)
 
 
 def prefill_report(model, lengths=(512, 2048), crossover=(16, 32, 64), reps: int = 5) -> dict:

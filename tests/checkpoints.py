@@ -243,19 +243,6 @@ def write_sentencepiece(path, vocab_size: int = 64) -> Path:
     return Path(path)
 
 
-def byte_level_tokenizer_json(vocab_size: int, corpus: list[str]) -> str:
-    """A byte-level BPE tokenizer.json trained in memory (no assets): any text round-trips through it."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<s>", "</s>"], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(corpus, trainer)
-    return tok.to_str()
-
-
 def randomize_llama_weights(model) -> None:
     """Give a transformers Llama weights large enough for well-separated logits (draws from torch's RNG)."""
     import torch

@@ -2,12 +2,13 @@
 decode attention at context 272 for TinyLlama and 7B shapes over
 kernel constants (granule, rows in flight) and the slice count S. Times a CUDA graph of one launch per
 layer (22 / 32 layers, each its own cache), us per launch."""
-import re
 import numpy as np
 import cupy as cp
 from tinyinfer.kernels import attention as attn_k
 from tinyinfer.kernels.build import expanded_source
 from tinyinfer.runtime import reference as ref
+
+from gpu_timing import graph_us_per_launch
 
 SRC = expanded_source("attention.cu")
 
@@ -38,15 +39,5 @@ for name, n_heads, n_kv, hd, layers in [("tinyllama", 32, 4, 64, 22), ("7b", 32,
                 counters = cp.zeros(n_kv, cp.uint32); out = cp.zeros(n_heads * hd, cp.float32)
                 launches = [attn_k.make_attention(mod, n_heads, n_kv, hd, S, qkv, k, v, state, dcos, dsin, part_o,
                                                   part_ml, counters, out) for k, v in caches]
-                s = cp.cuda.Stream(non_blocking=True)
-                with s:
-                    for l in launches: l(s)
-                    s.begin_capture()
-                    for _ in range(5):
-                        for l in launches: l(s)
-                    g = s.end_capture()
-                    g.launch(s); s.synchronize()
-                    e0, e1 = cp.cuda.Event(), cp.cuda.Event()
-                    e0.record(s); g.launch(s); e1.record(s); e1.synchronize()
-                us = cp.cuda.get_elapsed_time(e0, e1) * 1e3 / (5 * layers)
+                us = graph_us_per_launch(launches, 5)
                 print(f"{name:10s} granule {granule:3d} warps {warps:2d} S {S:3d}: {us:6.2f} us", flush=True)

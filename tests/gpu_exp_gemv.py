@@ -6,6 +6,8 @@ import sys
 import numpy as np
 import cupy as cp
 
+from gpu_timing import graph_us_per_launch
+
 SRC = r'''
 #include <cuda_fp16.h>
 extern "C" __device__ __forceinline__ uint4 ldg_stream(const void* p) {
@@ -112,16 +114,9 @@ for label, n, k in SHAPES:
                 args = lambda i: (dw[i % copies], ds, np.int32(n), np.int32(kpad), dx, dy)
                 dy.fill(cp.nan); f(grid, (32 * warps,), args(0), shared_mem=smem)
                 err = float(np.linalg.norm(dy.get() - ref) / np.linalg.norm(ref))
-                reps = 100
-                s = cp.cuda.Stream(non_blocking=True)
-                with s:
-                    s.begin_capture()
-                    for i in range(reps): f(grid, (32 * warps,), args(i), shared_mem=smem, stream=s)
-                    g = s.end_capture()
-                    g.launch(s); s.synchronize()
-                    e0, e1 = cp.cuda.Event(), cp.cuda.Event()
-                    e0.record(s); g.launch(s); e1.record(s); e1.synchronize()
-                us = cp.cuda.get_elapsed_time(e0, e1) * 1e3 / reps
+                launches = [lambda s, i=i: f(grid, (32 * warps,), args(i), shared_mem=smem, stream=s)
+                            for i in range(100)]
+                us = graph_us_per_launch(launches, 1)
                 key = ("fp32", "half2")[mode]
                 if key not in best or us < best[key][0]:
                     best[key] = (us, err, f"R{r}/w{warps}")

@@ -9,6 +9,8 @@ from tinyinfer.kernels import gemv as gemv_k
 from tinyinfer.kernels.build import expanded_source
 from tinyinfer.runtime.bench import random_encoded
 
+from gpu_timing import graph_us_per_launch
+
 SRC = expanded_source("gemv.cu")
 SHAPES = [("tl wqkv", 2560, 2048, "rmsnorm", "store"), ("tl wo", 2048, 2048, "plain", "add"),
           ("tl gate_up", 11264, 2048, "rmsnorm", "store"), ("tl down", 2048, 5632, "swiglu", "add"),
@@ -39,16 +41,7 @@ for d1, d2, minb in VARIANTS:
         best = None
         for rt, warps in gemv_k.CANDIDATES:
             launches = [gemv_k.make_gemv(mod, shape, gemv_k.GemvConfig(rt, warps), w, x, y, aux, 1e-5) for w in ws]
-            s = cp.cuda.Stream(non_blocking=True)
-            with s:
-                s.begin_capture()
-                for _ in range(3):
-                    for l in launches: l(s)
-                g = s.end_capture()
-                g.launch(s); s.synchronize()
-                e0, e1 = cp.cuda.Event(), cp.cuda.Event()
-                e0.record(s); g.launch(s); e1.record(s); e1.synchronize()
-            us = cp.cuda.get_elapsed_time(e0, e1) * 1e3 / (3 * len(launches))
+            us = graph_us_per_launch(launches, 3)
             if best is None or us < best[0]:
                 best = (us, f"R{rt}w{warps}", launches[0].kernel.num_regs)
         out.append(f"{label} {best[0]:.2f}us {nbytes / best[0] / 1e3:.0f}GB/s {best[1]} {best[2]}r")

@@ -52,21 +52,14 @@ if has kernels; then
     grep -E "^(FAILED|ERROR)|Error|assert" "$LOGS/pytest-kernels.log" | head -n 15 | tee -a "$SUMMARY"
 fi
 
-if has model; then
-    timeout ${MODEL_TIMEOUT:-500} $PY -m pytest -m gpu tests/test_cuda_model_gpu.py -q -s -p no:cacheprovider \
-        --timeout 240 --durations=8 \
-        > "$LOGS/pytest-model.log" 2>&1
-    note "pytest model: $(tail -n 1 "$LOGS/pytest-model.log")"
-    grep -E "relative error|^(FAILED|ERROR)" "$LOGS/pytest-model.log" | head -n 30 | tee -a "$SUMMARY"
-fi
-
-if has prefill; then
-    timeout ${PREFILL_TIMEOUT:-500} $PY -m pytest -m gpu tests/test_prefill_gpu.py -q -s -p no:cacheprovider \
-        --timeout 240 --durations=8 \
-        > "$LOGS/pytest-prefill.log" 2>&1
-    note "pytest prefill: $(tail -n 1 "$LOGS/pytest-prefill.log")"
-    grep -E "relative error|^(FAILED|ERROR)" "$LOGS/pytest-prefill.log" | head -n 30 | tee -a "$SUMMARY"
-fi
+gpu_pytest() {   # stage file timeout: one GPU test file, its errors and relative-error lines into the summary
+    timeout "$3" $PY -m pytest -m gpu "tests/$2" -q -s -p no:cacheprovider --timeout 240 --durations=8 \
+        > "$LOGS/pytest-$1.log" 2>&1
+    note "pytest $1: $(tail -n 1 "$LOGS/pytest-$1.log")"
+    grep -E "relative error|^(FAILED|ERROR)" "$LOGS/pytest-$1.log" | head -n 30 | tee -a "$SUMMARY"
+}
+if has model; then gpu_pytest model test_cuda_model_gpu.py ${MODEL_TIMEOUT:-500}; fi
+if has prefill; then gpu_pytest prefill test_prefill_gpu.py ${PREFILL_TIMEOUT:-500}; fi
 
 bench() {   # shape quant [label], environment passed through (e.g. TINYINFER_PDL=0)
     local name="bench-$1-$2${3:+-$3}"

@@ -200,37 +200,33 @@ def edit_index(change):
     return apply
 
 
-def drop_tensor(name):
-    """Rewrite the single-file checkpoint without one tensor."""
+def edit_tensors(edit):
+    """A mutation rewriting the single-file checkpoint with edit(arrays) applied to its tensors."""
     def apply(src: Path):
         from checkpoints import write_safetensors
         from tinyinfer.convert.safetensors_io import SafetensorsFile
         st = SafetensorsFile(src / "model.safetensors")
-        kept = {n: st.read(n) for n in st.names if n != name}
-        write_safetensors(src / "model.safetensors", kept, "f32")
+        arrays = {n: st.read(n) for n in st.names}
+        edit(arrays)
+        write_safetensors(src / "model.safetensors", arrays, "f32")
     return apply
+
+
+def drop_tensor(name):
+    """Rewrite the single-file checkpoint without one tensor."""
+    return edit_tensors(lambda arrays: arrays.pop(name, None))
 
 
 def add_tensor(name, shape):
-    def apply(src: Path):
-        from checkpoints import write_safetensors
-        from tinyinfer.convert.safetensors_io import SafetensorsFile
-        st = SafetensorsFile(src / "model.safetensors")
-        arrays = {n: st.read(n) for n in st.names}
+    def edit(arrays):
         arrays[name] = np.zeros(shape, np.float32)
-        write_safetensors(src / "model.safetensors", arrays, "f32")
-    return apply
+    return edit_tensors(edit)
 
 
 def set_value(name, value):
-    def apply(src: Path):
-        from checkpoints import write_safetensors
-        from tinyinfer.convert.safetensors_io import SafetensorsFile
-        st = SafetensorsFile(src / "model.safetensors")
-        arrays = {n: st.read(n) for n in st.names}
+    def edit(arrays):
         arrays[name].flat[3] = value
-        write_safetensors(src / "model.safetensors", arrays, "f32")
-    return apply
+    return edit_tensors(edit)
 
 
 def remove(filename):

@@ -106,7 +106,7 @@ def test_sentencepiece_encodes_control_tokens_in_text_like_tokenizer_json(llama)
 
 def byte_level_tokenizer():
     """A byte-level BPE tokenizer built in memory (no assets): byte-level means any text round-trips."""
-    from checkpoints import byte_level_tokenizer_json
+    from tinyinfer.runtime.bench import byte_level_tokenizer_json
 
     corpus = ["hello world, the cat sat on the mat", "streaming text works"]
     return Tokenizer.from_metadata(dict(kind="hf-json", tokenizer_json=byte_level_tokenizer_json(300, corpus),

@@ -45,7 +45,7 @@ CONFIGS = {
 
 @pytest.fixture(scope="module")
 def tokenizer_json():
-    from checkpoints import byte_level_tokenizer_json
+    from tinyinfer.runtime.bench import byte_level_tokenizer_json
 
     return byte_level_tokenizer_json(280, ["the quick brown fox jumps over the lazy dog"] * 3)
 
