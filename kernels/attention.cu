@@ -7,31 +7,55 @@
 // Grid (n_kv, S), ATT_WARPS warps per block. Block (kvh, s) serves the `group` query heads that share
 // KV head kvh over slice s of the context. The slices are cut at run time from the current length
 // pos+1 (read from device memory, so a captured graph stays valid as the context grows) in multiples
-// of ATT_GRANULE positions, using only as many slices as that needs; the other blocks exit at once.
+// of ATT_GRANULE positions, using only as many slices as that needs (`active`).
+//
+// Latency, not bandwidth, bounds decode attention at short contexts, so the kernel minimises the
+// dependent memory round trips after pdl_wait() (each one waits behind the next kernel's weight
+// prefetch): the slice's cached K/V rows are copied to shared memory (cp.async) before the wait,
+// when the previous kernel may still run; only q/k/v of this token are read after it.
 //
 // Inside a block the heads are taken in chunks of HEADS (per pass, a K/V row in registers serves
-// every head of the chunk; warps of other chunks of the same group read it again, from L1/L2, not
-// HBM) and the slice is cut into contiguous warp ranges: warp = (head chunk, range). In a warp, a row of hd fp16 values is read by `lpr` lanes
-// (hd/8 rounded up to a power of two), 16 bytes = 8 dims per lane, so one load instruction covers
-// 32/lpr rows (a "row group" per row) and each lane keeps ROWS rows of K and V in flight. Scores are
-// 8-dim partial dots summed across the row's lanes by shuffles; each row group keeps its own running
-// (max, sum, 8 output dims) per head as in FlashAttention, in the log2 domain (q is pre-scaled by
-// log2(e)/sqrt(hd)). At the end row groups merge by shuffles, warps through shared memory, and with
-// more than one active slice each block writes its unnormalised partial result; the last block to
-// finish for a KV head (an atomic counter, reset to 0 for the next launch) merges the slices.
+// every head of the chunk) and the staged rows are cut into contiguous warp ranges: warp = (head
+// chunk, range). In a warp, a row of hd fp16 values is read by `lpr` lanes (hd/8 rounded up to a
+// power of two), 16 bytes = 8 dims per lane, so one load covers 32/lpr rows (a "row group" per row)
+// and each lane takes ROWS rows per step. Scores are 8-dim partial dots summed across the row's
+// lanes by shuffles; each row group keeps its own running (max, sum, 8 output dims) per head as in
+// FlashAttention, in the log2 domain (q is pre-scaled by log2(e)/sqrt(hd)). Row groups merge by
+// shuffles, warps through shared memory.
+//
+// Merging the slices. On Hopper and newer (ATT_USE_CLUSTER) the S = ATT_CLUSTER_SIZE blocks of a
+// KV head form a thread-block cluster: each leaves its partial result in shared memory and, after a
+// cluster barrier, merges a share of the outputs by reading its peers' shared memory (no global
+// round trip, no counter). Before Hopper, each block writes its unnormalised partial result to
+// global memory and the last block to finish for a KV head (an atomic counter, reset to 0 for the
+// next launch) merges the slices.
 //
 //   TILE = true : grouped-query attention, HEADS = 4 query heads per pass over the K/V rows.
-//   TILE = false: multi-head attention, HEADS = 1 (state for one head only, more rows in flight).
-// Each lane's 8 dims of q are read from shared memory per batch, so registers go to rows and state.
+//   TILE = false: multi-head attention, HEADS = 1 (state for one head only, more rows per step).
 //
 // RoPE: q is rotated here; the block whose slice holds `pos` rotates k, writes k and v (fp16) to the
-// cache and uses the same fp16 values (from shared memory) for this step. No block reads a cache
-// row at or beyond pos from global memory.
+// cache and into its staged rows. No block reads a cache row at or beyond pos from global memory.
 #include "common.cuh"
 
 #define ATT_WARPS 4
-#define ATT_GRANULE 16        // slice lengths are multiples of this many positions
-#define ATT_MERGE_HEADS 8     // heads whose slice weights the merging block holds at once
+#define ATT_GRANULE 16           // slice lengths are multiples of this many positions
+#define ATT_MERGE_HEADS 8        // heads whose slice weights the merging block holds at once (global merge)
+#define ATT_STAGE_HALVES 4096    // fp16 values of K (and as many of V) staged in shared memory at once:
+                                 // more shared memory per block made the decode step slower (measured)
+#define ATT_CLUSTER_SIZE 8       // slices per KV head on the cluster path
+
+#ifndef ATT_USE_CLUSTER          // tests may force the global merge with -DATT_USE_CLUSTER=0
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define ATT_USE_CLUSTER 1
+#else
+#define ATT_USE_CLUSTER 0
+#endif
+#endif
+#if ATT_USE_CLUSTER
+#define ATT_CLUSTER_DIMS __cluster_dims__(1, ATT_CLUSTER_SIZE, 1)
+#else
+#define ATT_CLUSTER_DIMS
+#endif
 
 template <bool TILE>
 struct AttConfig {
@@ -86,33 +110,60 @@ TI_DEVICE int batch_row(const RowLanes& r, int p0, int u) {
     return p0 + u * r.rpw + r.group;
 }
 
-// Issue the loads of the batch at p0 (rows < end). Row `pos` is left for patch_new_row: its cache
-// entry is being written by this launch.
+// The batch at p0 from the staged rows (k_s/v_s: [rows][hd] fp16 in shared memory; rows >= end read
+// as zeros and are marked invalid).
 template <int ROWS>
-TI_DEVICE void load_batch(RowBatch<ROWS>& b, const __half* k_lane, const __half* v_lane, size_t row_stride,
-                          const RowLanes& r, int p0, int end, int pos) {
+TI_DEVICE void read_batch(RowBatch<ROWS>& b, bool (&valid)[ROWS], const __half* k_s, const __half* v_s, int hd,
+                          const RowLanes& r, int p0, int end) {
 #pragma unroll
     for (int u = 0; u < ROWS; ++u) {
         const int p = batch_row(r, p0, u);
+        valid[u] = p < end;
         b.k[u] = b.v[u] = make_uint4(0, 0, 0, 0);
-        if (r.dims && p < end && p != pos) {
-            b.k[u] = *reinterpret_cast<const uint4*>(k_lane + (size_t)p * row_stride);
-            b.v[u] = *reinterpret_cast<const uint4*>(v_lane + (size_t)p * row_stride);
+        if (r.dims && valid[u]) {
+            b.k[u] = reinterpret_cast<const uint4*>(k_s + (size_t)p * hd)[r.col];
+            b.v[u] = reinterpret_cast<const uint4*>(v_s + (size_t)p * hd)[r.col];
         }
     }
 }
 
-// This step's K/V row, rounded to fp16 by the block that appends it, from shared memory (only a
-// range that holds pos: elsewhere kv_new is not written).
-template <int ROWS>
-TI_DEVICE void patch_new_row(RowBatch<ROWS>& b, const __half* kv_new, int hd, const RowLanes& r, int p0, int end,
-                             int pos) {
-#pragma unroll
-    for (int u = 0; u < ROWS; ++u) {
-        if (r.dims && pos < end && batch_row(r, p0, u) == pos) {
-            b.k[u] = reinterpret_cast<const uint4*>(kv_new)[r.col];
-            b.v[u] = reinterpret_cast<const uint4*>(kv_new + hd)[r.col];
-        }
+// 16-byte global -> shared copy that does not hold registers until it lands (cp.async, sm_80+;
+// Turing copies through registers).
+TI_DEVICE void copy16_async(void* dst_shared, const void* src) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    const u32 dst = (u32)__cvta_generic_to_shared(dst_shared);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src) : "memory");
+#else
+    *reinterpret_cast<uint4*>(dst_shared) = *reinterpret_cast<const uint4*>(src);
+#endif
+}
+
+TI_DEVICE void copies_landed() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.wait_all;\n" ::: "memory");
+#endif
+}
+
+// Start copying cache rows [r0, r1) of KV head kvh into k_s/v_s (row r0 at index 0). Row `pos` is
+// skipped: this launch writes it (stage_new_row).
+TI_DEVICE void stage_rows(__half* k_s, __half* v_s, const __half* k_cache, const __half* v_cache, int n_kv, int hd,
+                          int kvh, int r0, int r1, int pos) {
+    const int pieces = hd >> 3;                 // 16-byte pieces per row
+    for (int i = threadIdx.x; i < (r1 - r0) * pieces; i += blockDim.x) {
+        const int row = r0 + i / pieces, piece = i % pieces;
+        if (row == pos) continue;
+        const size_t src = ((size_t)row * n_kv + kvh) * hd + 8 * piece;
+        copy16_async(k_s + (size_t)(row - r0) * hd + 8 * piece, k_cache + src);
+        copy16_async(v_s + (size_t)(row - r0) * hd + 8 * piece, v_cache + src);
+    }
+}
+
+// This step's K/V row (kv_new, fp16, written by rope_and_append) into its staged slot.
+TI_DEVICE void stage_new_row(__half* k_s, __half* v_s, const __half* kv_new, int hd, int r0, int r1, int pos) {
+    if (pos < r0 || pos >= r1) return;
+    for (int i = threadIdx.x; i < (hd >> 3); i += blockDim.x) {
+        reinterpret_cast<uint4*>(k_s + (size_t)(pos - r0) * hd)[i] = reinterpret_cast<const uint4*>(kv_new)[i];
+        reinterpret_cast<uint4*>(v_s + (size_t)(pos - r0) * hd)[i] = reinterpret_cast<const uint4*>(kv_new + hd)[i];
     }
 }
 
@@ -251,39 +302,93 @@ TI_DEVICE void rope_and_append(const float* qkv, __half* k_cache, __half* v_cach
     for (int d = threadIdx.x; d < hd; d += blockDim.x) v_row[d] = kv_new[hd + d] = __float2half_rn(v[d]);
 }
 
-// One warp, one chunk of heads (from h0) over positions [begin, end): running softmax per head,
-// then the row groups merged and the result stored to o_w[h][hd], ml_w[h][2]. `rows` holds the
-// first batch's loads already.
+// One warp, one chunk of heads (from h0) over staged rows [begin, end): running softmax per head,
+// then the row groups merged and folded into the warp's result o_w[h][hd], ml_w[h][2] (written on
+// the first staged chunk, merged into on later ones).
 template <int HEADS, int ROWS>
-TI_DEVICE void attend_chunk(RowBatch<ROWS>& rows, const __half* k_lane, const __half* v_lane, size_t row_stride,
-                            const RowLanes& r, int begin, int end, int pos, const __half* kv_new, const float* q_s,
-                            int hd, int h0, int group, float* o_w, float* ml_w) {
+TI_DEVICE void attend_staged(const __half* k_s, const __half* v_s, const RowLanes& r, int begin, int end,
+                             const float* q_s, int hd, int h0, int group, bool first, float* o_w, float* ml_w) {
     const int lane = threadIdx.x & 31, batch = ROWS * r.rpw;
     const int nh = min(HEADS, group - h0);
     Softmax st[HEADS];
 #pragma unroll
     for (int h = 0; h < HEADS; ++h) softmax_init(st[h]);
     for (int p0 = begin; p0 < end; p0 += batch) {
+        RowBatch<ROWS> rows;
         bool valid[ROWS];
-#pragma unroll
-        for (int u = 0; u < ROWS; ++u) valid[u] = batch_row(r, p0, u) < end;
-        patch_new_row(rows, kv_new, hd, r, p0, end, pos);
+        read_batch(rows, valid, k_s, v_s, hd, r, p0, end);
         attend_batch(rows, valid, q_s + h0 * hd, hd, nh, r, st);
-        if (p0 + batch < end) load_batch(rows, k_lane, v_lane, row_stride, r, p0 + batch, end, pos);
     }
 #pragma unroll
     for (int h = 0; h < HEADS; ++h) {
         if (h >= nh) continue;
         merge_row_groups(st[h], r.lpr);
+        float* o = o_w + (h0 + h) * hd + 8 * r.col;
+        float* ml = ml_w + 2 * (h0 + h);
+        if (!first) {                       // fold in the earlier chunks' result
+            const float m_old = ml[0], l_old = ml[1];
+            const float m_new = fmaxf(st[h].m, m_old);
+            const float base = m_new == -TI_INF ? 0.f : m_new;
+            const float mine = exp2f(st[h].m - base), theirs = exp2f(m_old - base);
+            st[h].l = st[h].l * mine + l_old * theirs;
+            if (r.dims) {
+#pragma unroll
+                for (int i = 0; i < 8; ++i) st[h].o[i] = st[h].o[i] * mine + o[i] * theirs;
+            }
+            st[h].m = m_new;
+            __syncwarp();                   // every lane has read the old values
+        }
         if (lane < r.lpr && r.dims) {
-            float4* dst = reinterpret_cast<float4*>(o_w + (h0 + h) * hd + 8 * r.col);
-            dst[0] = make_float4(st[h].o[0], st[h].o[1], st[h].o[2], st[h].o[3]);
-            dst[1] = make_float4(st[h].o[4], st[h].o[5], st[h].o[6], st[h].o[7]);
+            reinterpret_cast<float4*>(o)[0] = make_float4(st[h].o[0], st[h].o[1], st[h].o[2], st[h].o[3]);
+            reinterpret_cast<float4*>(o)[1] = make_float4(st[h].o[4], st[h].o[5], st[h].o[6], st[h].o[7]);
         }
         if (lane == 0) {
-            ml_w[2 * (h0 + h)] = st[h].m;
-            ml_w[2 * (h0 + h) + 1] = st[h].l;
+            ml[0] = st[h].m;
+            ml[1] = st[h].l;
         }
+    }
+}
+
+// Hopper thread-block clusters: barrier over the cluster's blocks, and the address of the same
+// shared-memory variable in block `rank` of the cluster (distributed shared memory).
+TI_DEVICE void cluster_sync() {
+#if ATT_USE_CLUSTER
+    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+#endif
+}
+
+TI_DEVICE const float* peer_shared(const float* p, int rank) {
+#if ATT_USE_CLUSTER
+    u64 out;
+    asm volatile("mapa.u64 %0, %1, %2;\n" : "=l"(out) : "l"(p), "r"(rank));
+    return reinterpret_cast<const float*>(out);
+#else
+    return p;
+#endif
+}
+
+// Cluster merge: output i (of the KV head's group * hd) from the partial results blk_o [group][hd]
+// and blk_ml [group][2] of the `active` blocks; this block (rank s) takes every S-th share.
+TI_DEVICE void merge_cluster(const float* blk_o, const float* blk_ml, int kvh, int group, int hd, int s, int S,
+                             int active, float* out) {
+    for (int i = s * blockDim.x + threadIdx.x; i < group * hd; i += S * blockDim.x) {
+        const int hg = i / hd;
+        float m[ATT_CLUSTER_SIZE];
+        float m_max = -TI_INF;
+#pragma unroll
+        for (int j = 0; j < ATT_CLUSTER_SIZE; ++j) {
+            m[j] = j < active ? peer_shared(blk_ml, j)[2 * hg] : -TI_INF;
+            m_max = fmaxf(m_max, m[j]);
+        }
+        float num = 0.f, den = 0.f;
+#pragma unroll
+        for (int j = 0; j < ATT_CLUSTER_SIZE; ++j) {
+            if (j >= active) continue;
+            const float f = exp2f(m[j] - m_max);
+            num += peer_shared(blk_o, j)[i] * f;
+            den += peer_shared(blk_ml, j)[2 * hg + 1] * f;
+        }
+        out[(size_t)kvh * group * hd + i] = num / den;
     }
 }
 
@@ -320,7 +425,7 @@ TI_DEVICE void merge_slices(const float* part_o, const float* part_ml, int kvh, 
 }
 
 template <bool TILE>
-__global__ void __launch_bounds__(32 * ATT_WARPS, 4) attention(   // 4 blocks/SM: <= 128 registers
+__global__ void __launch_bounds__(32 * ATT_WARPS, 3) ATT_CLUSTER_DIMS attention(
     const float* __restrict__ qkv,        // [(n_heads + 2 n_kv) * hd] this token's projections
     __half* __restrict__ k_cache,         // [max_ctx][n_kv][hd] this layer
     __half* __restrict__ v_cache,
@@ -328,9 +433,9 @@ __global__ void __launch_bounds__(32 * ATT_WARPS, 4) attention(   // 4 blocks/SM
     const float* __restrict__ rope_cos,   // [max_ctx][hd/2]
     const float* __restrict__ rope_sin,
     int n_heads, int n_kv, int hd,
-    float* __restrict__ part_o,           // [n_heads][S][hd] unnormalised partial outputs
-    float* __restrict__ part_ml,          // [n_heads][S][2] partial (max, sum), log2 domain
-    unsigned int* __restrict__ counters,  // [n_kv] zero between launches
+    float* __restrict__ part_o,           // global merge: [n_heads][S][hd] unnormalised partial outputs
+    float* __restrict__ part_ml,          // global merge: [n_heads][S][2] partial (max, sum), log2 domain
+    unsigned int* __restrict__ counters,  // global merge: [n_kv] zero between launches
     float* __restrict__ out)              // [n_heads * hd]
 {
     constexpr int HEADS = AttConfig<TILE>::HEADS, ROWS = AttConfig<TILE>::ROWS;
@@ -339,72 +444,97 @@ __global__ void __launch_bounds__(32 * ATT_WARPS, 4) attention(   // 4 blocks/SM
     const int warp = threadIdx.x >> 5;
     const int group = n_heads / n_kv;
     // PDL: pos and the cached rows before it were written by earlier graph replays, so only qkv (the
-    // previous kernel's output) waits; the first K/V loads overlap that kernel's tail.
+    // previous kernel's output) waits; the staging copies overlap that kernel's tail.
     pdl_launch_dependents();
     const int pos = state[STATE_POS];
     const int len = pos + 1;
 
-    // This block's slice [begin, end).
+    // This block's slice [begin, end): empty for s >= active, which on the cluster path still takes
+    // part in the merge.
     const int per_slice = ceil_div(ceil_div(len, S), ATT_GRANULE) * ATT_GRANULE;
     const int active = ceil_div(len, per_slice);
-    if (s >= active) return;
-    const int begin = s * per_slice, end = min(len, begin + per_slice);
+    if (!ATT_USE_CLUSTER && s >= active) return;
+    const int begin = min(len, s * per_slice), end = min(len, begin + per_slice);
+    const int stage = ATT_STAGE_HALVES / hd;                  // rows staged at once
 
-    // This warp's work: head chunks chunk0, chunk0 + chunk_step, ... over positions [w_begin, w_end).
+    // This warp's work: head chunks chunk0, chunk0 + chunk_step, ... over a range of each staged chunk.
     const RowLanes r = row_lanes(hd);
     const int chunks = ceil_div(group, HEADS);
     const int parts = max(1, ATT_WARPS / chunks);             // warps sharing a head chunk
     const int part = warp % parts, chunk0 = warp / parts, chunk_step = ATT_WARPS / parts;
-    const int per_part = ceil_div(ceil_div(end - begin, parts), r.rpw) * r.rpw;
-    const int w_begin = begin + part * per_part, w_end = min(end, w_begin + per_part);
 
     // Shared memory (offsets in floats; every region 16-byte aligned since hd % 8 == 0).
     float* q_s = reinterpret_cast<float*>(smem);                      // [group][hd] rotated, scaled q
     float* o_w = q_s + group * hd;                                    // [parts][group][hd] warp results
     float* ml_w = o_w + parts * group * hd;                           // [parts][group][2]
-    __half* kv_new = reinterpret_cast<__half*>(ml_w + ((2 * parts * group + 3) & ~3));   // [2][hd]
-    float* merge_w = reinterpret_cast<float*>(kv_new + 2 * hd);       // [ATT_MERGE_HEADS][S]
+    float* blk_o = ml_w + ((2 * parts * group + 3) & ~3);             // [group][hd] block result
+    float* blk_ml = blk_o + group * hd;                               // [group][2]
+    __half* kv_new = reinterpret_cast<__half*>(blk_ml + ((2 * group + 3) & ~3));   // [2][hd]
+    float* merge_w = reinterpret_cast<float*>(kv_new + 2 * hd);       // [ATT_MERGE_HEADS][S] (global merge)
+    __half* k_s = reinterpret_cast<__half*>(merge_w + ((ATT_MERGE_HEADS * S + 3) & ~3));   // [stage][hd]
+    __half* v_s = k_s + (size_t)stage * hd;                            // [stage][hd]
 
-    // The first batch of K/V loads is in flight while q is rotated.
-    const size_t row_stride = (size_t)n_kv * hd;
-    const __half* k_lane = k_cache + (size_t)kvh * hd + 8 * r.col;
-    const __half* v_lane = v_cache + (size_t)kvh * hd + 8 * r.col;
-    RowBatch<ROWS> rows;
-    if (chunk0 < chunks) load_batch(rows, k_lane, v_lane, row_stride, r, w_begin, w_end, pos);
+    stage_rows(k_s, v_s, k_cache, v_cache, n_kv, hd, kvh, begin, min(end, begin + stage), pos);
     pdl_wait();
-    rope_and_append(qkv, k_cache, v_cache, rope_cos, rope_sin, n_heads, n_kv, hd, kvh, pos, end == len, q_s, kv_new);
-    __syncthreads();
+    if (begin < end)
+        rope_and_append(qkv, k_cache, v_cache, rope_cos, rope_sin, n_heads, n_kv, hd, kvh, pos, end == len, q_s,
+                        kv_new);
 
-    for (int chunk = chunk0; chunk < chunks; chunk += chunk_step) {
-        if (chunk != chunk0) load_batch(rows, k_lane, v_lane, row_stride, r, w_begin, w_end, pos);
-        attend_chunk<HEADS>(rows, k_lane, v_lane, row_stride, r, w_begin, w_end, pos, kv_new, q_s, hd,
-                            chunk * HEADS, group, o_w + part * group * hd, ml_w + 2 * part * group);
+    for (int c0 = begin; c0 < end; c0 += stage) {
+        const int c1 = min(end, c0 + stage);
+        if (c0 != begin) {
+            __syncthreads();                                         // every warp is done with the last chunk
+            stage_rows(k_s, v_s, k_cache, v_cache, n_kv, hd, kvh, c0, c1, pos);
+        }
+        copies_landed();
+        __syncthreads();                                             // kv_new and q_s written
+        stage_new_row(k_s, v_s, kv_new, hd, c0, c1, pos);
+        __syncthreads();
+        const int per_part = ceil_div(ceil_div(c1 - c0, parts), r.rpw) * r.rpw;
+        const int w_begin = min(c1 - c0, part * per_part), w_end = min(c1 - c0, w_begin + per_part);
+        for (int chunk = chunk0; chunk < chunks; chunk += chunk_step)
+            attend_staged<HEADS, ROWS>(k_s, v_s, r, w_begin, w_end, q_s, hd, chunk * HEADS, group, c0 == begin,
+                                       o_w + part * group * hd, ml_w + 2 * part * group);
     }
     __syncthreads();
 
     // Combine the warps' ranges per head (a warp with no positions has m = -inf, weight 0); part 0
     // always has positions, so the block maximum is finite.
-    for (int i = threadIdx.x; i < group * hd; i += blockDim.x) {
-        const int hg = i / hd, d = i % hd;
-        float m_max = -TI_INF;
-        for (int p = 0; p < parts; ++p) m_max = fmaxf(m_max, ml_w[2 * (p * group + hg)]);
-        float num = 0.f, den = 0.f;
-        for (int p = 0; p < parts; ++p) {
-            const float f = exp2f(ml_w[2 * (p * group + hg)] - m_max);
-            num += o_w[(p * group + hg) * hd + d] * f;
-            den += ml_w[2 * (p * group + hg) + 1] * f;
-        }
-        const size_t head = (size_t)kvh * group + hg;
-        if (active == 1) {            // the whole context in one slice: normalise and finish
-            out[head * hd + d] = num / den;
-        } else {
-            part_o[(head * S + s) * hd + d] = num;
-            if (d == 0) {
-                part_ml[(head * S + s) * 2] = m_max;
-                part_ml[(head * S + s) * 2 + 1] = den;
+    if (begin < end) {
+        for (int i = threadIdx.x; i < group * hd; i += blockDim.x) {
+            const int hg = i / hd, d = i % hd;
+            float m_max = -TI_INF;
+            for (int p = 0; p < parts; ++p) m_max = fmaxf(m_max, ml_w[2 * (p * group + hg)]);
+            float num = 0.f, den = 0.f;
+            for (int p = 0; p < parts; ++p) {
+                const float f = exp2f(ml_w[2 * (p * group + hg)] - m_max);
+                num += o_w[(p * group + hg) * hd + d] * f;
+                den += ml_w[2 * (p * group + hg) + 1] * f;
+            }
+            const size_t head = (size_t)kvh * group + hg;
+            if (active == 1) {            // the whole context in one slice: normalise and finish
+                out[head * hd + d] = num / den;
+            } else if (ATT_USE_CLUSTER) {
+                blk_o[i] = num;
+                if (d == 0) {
+                    blk_ml[2 * hg] = m_max;
+                    blk_ml[2 * hg + 1] = den;
+                }
+            } else {
+                part_o[(head * S + s) * hd + d] = num;
+                if (d == 0) {
+                    part_ml[(head * S + s) * 2] = m_max;
+                    part_ml[(head * S + s) * 2 + 1] = den;
+                }
             }
         }
     }
+#if ATT_USE_CLUSTER
+    if (active == 1) return;          // the same for every block of the cluster: no barrier waits alone
+    cluster_sync();                   // every block's partial result is in its shared memory
+    merge_cluster(blk_o, blk_ml, kvh, group, hd, s, S, active, out);
+    cluster_sync();                   // peers keep their shared memory until everyone has read it
+#else
     if (active == 1) return;
     __threadfence();                 // partials visible to whichever block merges
     __syncthreads();
@@ -416,4 +546,5 @@ __global__ void __launch_bounds__(32 * ATT_WARPS, 4) attention(   // 4 blocks/SM
 
     merge_slices(part_o, part_ml, kvh, group, hd, S, active, merge_w, out);
     if (threadIdx.x == 0) counters[kvh] = 0u;
+#endif
 }

@@ -10,6 +10,9 @@ TILE = 32             # n_slices: at full context a slice holds at least this ma
 MAX_HEAD_DIM = 256
 WARPS = 4             # ATT_WARPS in attention.cu
 MERGE_HEADS = 8       # ATT_MERGE_HEADS
+STAGE_HALVES = 4096   # ATT_STAGE_HALVES
+CLUSTER_SIZE = 8      # ATT_CLUSTER_SIZE
+CLUSTER_MIN_COMPUTE_CAPABILITY = 90   # thread-block clusters (ATT_USE_CLUSTER)
 
 
 def use_tile(n_heads: int, n_kv_heads: int) -> bool:
@@ -17,8 +20,17 @@ def use_tile(n_heads: int, n_kv_heads: int) -> bool:
     return n_heads // n_kv_heads > 1
 
 
-def n_slices(n_kv_heads: int, max_context: int, n_sms: int) -> int:
-    """Grid width over the context: about two blocks per SM at full context, at most one per tile."""
+def uses_cluster(compute_capability: int, cluster: bool | None = None) -> bool:
+    """Whether the kernel merges slices inside a thread-block cluster (Hopper and newer; `cluster`
+    False forces the global merge, as a module compiled with -DATT_USE_CLUSTER=0 does)."""
+    return compute_capability >= CLUSTER_MIN_COMPUTE_CAPABILITY if cluster is None else cluster
+
+
+def n_slices(n_kv_heads: int, max_context: int, n_sms: int, cluster: bool) -> int:
+    """Grid width over the context: one cluster of CLUSTER_SIZE slices; else about two blocks per SM
+    at full context, at most one per tile."""
+    if cluster:
+        return CLUSTER_SIZE
     tiles = -(-max_context // TILE)
     return max(1, min(tiles, -(-2 * n_sms // n_kv_heads)))
 
@@ -38,12 +50,16 @@ def shared_bytes(n_heads: int, n_kv_heads: int, head_dim: int, slices: int, tile
     group = n_heads // n_kv_heads
     chunks = -(-group // heads_per_pass(tile))
     parts = max(1, WARPS // chunks)
-    floats = (1 + parts) * group * head_dim + (2 * parts * group + 3) // 4 * 4
-    return 4 * floats + 2 * 2 * head_dim + 4 * MERGE_HEADS * slices
+    pad4 = lambda n: (n + 3) // 4 * 4
+    floats = (2 + parts) * group * head_dim + pad4(2 * parts * group) + pad4(2 * group)
+    stage_rows = STAGE_HALVES // head_dim
+    return 4 * floats + 2 * 2 * head_dim + 4 * pad4(MERGE_HEADS * slices) + 2 * 2 * stage_rows * head_dim
 
 
-def compile_attention(compute_capability: int):
-    return module("attention.cu", ("attention<true>", "attention<false>"), compute_capability)
+def compile_attention(compute_capability: int, cluster: bool | None = None):
+    """cluster=False builds the global-merge variant even where clusters exist (for tests)."""
+    defines = () if cluster is None else (f"-DATT_USE_CLUSTER={int(cluster)}",)
+    return module("attention.cu", ("attention<true>", "attention<false>"), compute_capability, defines)
 
 
 def make_attention(mod, n_heads: int, n_kv_heads: int, head_dim: int, slices: int, qkv, k_cache, v_cache,

@@ -54,11 +54,12 @@ def compile_options(compute_capability: int) -> tuple:
 
 
 @lru_cache(maxsize=None)
-def module(name: str, name_expressions: tuple = (), compute_capability: int = 0):
-    """A cupy.RawModule for one source file; templates are instantiated through name_expressions."""
+def module(name: str, name_expressions: tuple = (), compute_capability: int = 0, defines: tuple = ()):
+    """A cupy.RawModule for one source file; templates are instantiated through name_expressions;
+    defines: extra -D options."""
     import cupy
 
-    options = compile_options(compute_capability)
+    options = compile_options(compute_capability) + tuple(defines)
     if name_expressions:
         return cupy.RawModule(code=expanded_source(name), options=options,
                               name_expressions=list(name_expressions))

@@ -15,9 +15,11 @@
 // of section t only (see gemv below), so one mma yields each lane's own section's dot product,
 // as exact as with fp32 x, which the lane scales by its group's scale in fp32.
 //
-// Fusions. The input stage can apply RMSNorm (x * rsqrt(mean(x^2)+eps) * w) or SwiGLU
-// (silu(gate) * up) while converting x; the epilogue stores y or adds it into a residual.
-// One thread owns each output row, so the in-place residual add is race-free.
+// Fusions. The input stage can apply RMSNorm (x * rsqrt(mean(x^2)+eps) * w) while converting x;
+// the epilogue stores y, adds it into a residual, or (for the fused [gate; up] matrix) stores
+// silu(gate) * up: a tile then holds gate rows and the up rows of the same outputs (tile_row), so
+// the down projection reads its input as is. One thread owns each output, so the in-place residual
+// add is race-free.
 #include "common.cuh"
 
 #define W_F16 0
@@ -26,10 +28,10 @@
 
 #define IN_PLAIN 0     // x as is
 #define IN_RMSNORM 1   // rms_norm(x, aux, eps)
-#define IN_SWIGLU 2    // silu(x[:K]) * x[K:2K]
 
 #define OUT_STORE 0    // y[row] = W x
 #define OUT_ADD 1      // y[row] += W x
+#define OUT_SWIGLU 2   // W = [gate; up] (rows = 2F): y[i] = silu(gate_i x) * (up_i x), i < F
 
 #define NL 2           // 16-byte loads per lane per row per chunk
 
@@ -92,7 +94,7 @@ __device__ __forceinline__ float staged_factor(int i) {
     return (WT == W_Q4 && (i & 1)) ? 0.0625f : 1.f;
 }
 
-// Convert (and normalise / gate) the input vector into fp16 shared memory, and write the bias
+// Convert (and normalise) the input vector into fp16 shared memory, and write the bias
 // correction of each section to corr. kc >= K is the staged length (a whole number of chunks);
 // columns K..kc-1 are zero.
 template <int IN>
@@ -100,9 +102,7 @@ __device__ __forceinline__ float stage_value(const float* __restrict__ x, const 
                                              float scale) {
     if (k >= K) return 0.f;
     if (IN == IN_PLAIN) return x[k];
-    if (IN == IN_RMSNORM) return x[k] * scale * aux[k];
-    const float gate = x[k];
-    return gate / (1.f + __expf(-gate)) * x[K + k];
+    return x[k] * scale * aux[k];
 }
 
 __device__ __forceinline__ void load8(const float* p, float (&v)[8]) {
@@ -140,16 +140,13 @@ __device__ __forceinline__ void stage_input(__half* xs, __half* xs_lo, float* co
         if (b < full) {
             load8(x + 8 * b, v);
             if (IN == IN_RMSNORM) load8(aux + 8 * b, w);
-            if (IN == IN_SWIGLU) load8(x + K + 8 * b, w);
         }
         float out[8], bias_sum = 0.f;
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
             float value;
             if (b < full) {
-                if (IN == IN_PLAIN) value = v[i];
-                else if (IN == IN_RMSNORM) value = v[i] * scale * w[i];
-                else value = v[i] / (1.f + __expf(-v[i])) * w[i];
+                value = IN == IN_PLAIN ? v[i] : v[i] * scale * w[i];
             } else {
                 value = b < groups ? stage_value<IN>(x, aux, K, b * 8 + i, scale) : 0.f;
             }
@@ -181,6 +178,21 @@ __device__ __forceinline__ int gemv_scratch_bytes(int nwarps, int rt) {
     return (floats * 4 + 15) & ~15;
 }
 
+// Row loaded by lane group g for half h of 16-row unit rt of a tile. Usually a tile is 16*RT
+// consecutive rows; with OUT_SWIGLU it is 8*RT outputs, gate rows in h = 0 and the matching up rows
+// (rows/2 further on) in h = 1, so the epilogue has both halves of each output.
+template <int RT, int OUT>
+__device__ __forceinline__ int tile_row(int tile, int rt, int h, int g, int rows) {
+    if (OUT == OUT_SWIGLU) return h * (rows >> 1) + (tile * RT + rt) * 8 + g;
+    return (tile * RT + rt) * 16 + 8 * h + g;
+}
+
+// Outputs of one tile.
+template <int RT, int OUT>
+__device__ __forceinline__ int tile_outputs() {
+    return OUT == OUT_SWIGLU ? 8 * RT : 16 * RT;
+}
+
 // Persistent blocks: the grid is sized to what stays resident on the GPU, each block stages x once
 // and then walks its row tiles (tile = blockIdx.x, + gridDim.x, ...). Every warp's work is the list
 // of (tile, chunk) items; a ring of DEPTH register buffers keeps the loads of the next DEPTH-1
@@ -198,10 +210,10 @@ __global__ void __launch_bounds__(256, 2) gemv(
     const unsigned char* __restrict__ w,     // tensor start: values, row-major, kpad columns
     const __half* __restrict__ scales,       // q8/q4: [rows][kpad/G]; f16: unused
     int rows, int kpad, int K,               // K: logical input length (x has K valid values)
-    const float* __restrict__ x,             // input (IN_SWIGLU: 2K values, gate then up)
+    const float* __restrict__ x,             // input [K]
     const float* __restrict__ aux,           // IN_RMSNORM: norm weight [K]
     float eps,
-    float* __restrict__ y)                   // output [rows]
+    float* __restrict__ y)                   // output [rows] (OUT_SWIGLU: [rows / 2])
 {
     constexpr int KPL = Weights<WT>::KPL;
     constexpr int CW = NL * 4 * KPL;                          // k per chunk
@@ -219,7 +231,8 @@ __global__ void __launch_bounds__(256, 2) gemv(
     __half* xs_lo = xs + staged_index(nchunks * CW);          // the low halves of x, same layout
     const int ngroups = WT == W_F16 ? 1 : kpad / G;
     const size_t row_bytes = (size_t)kpad * BYTES_PER_K2 / 2;
-    const int n_tiles = (rows + 16 * RT - 1) / (16 * RT);
+    const int outputs = OUT == OUT_SWIGLU ? rows >> 1 : rows;
+    const int n_tiles = (outputs + tile_outputs<RT, OUT>() - 1) / tile_outputs<RT, OUT>();
     const int my_tiles = (int)blockIdx.x < n_tiles ? (n_tiles - 1 - (int)blockIdx.x) / (int)gridDim.x + 1 : 0;
     const int my_chunks = warp < nchunks ? (nchunks - 1 - warp) / nwarps + 1 : 0;
     const int n_items = my_tiles * my_chunks;
@@ -234,12 +247,12 @@ __global__ void __launch_bounds__(256, 2) gemv(
     __half sc[DEPTH][RT][2][NL];    // their group scales, raw: converting here would wait for the load
 
     auto load_item = [&](int b, int tile, int chunk) {
-        const int kb = chunk * CW, row0 = tile * 16 * RT;
+        const int kb = chunk * CW;
 #pragma unroll
         for (int rt = 0; rt < RT; ++rt)
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
-                const int r = min(row0 + rt * 16 + g + 8 * h, rows - 1);   // clamped: loads stay in bounds
+                const int r = min(tile_row<RT, OUT>(tile, rt, h, g, rows), rows - 1);   // clamped: loads stay in bounds
                 const unsigned char* row = w + (size_t)r * row_bytes;
 #pragma unroll
                 for (int j = 0; j < NL; ++j) {
@@ -336,14 +349,19 @@ __global__ void __launch_bounds__(256, 2) gemv(
                 if (t == 0) part[(warp * RT + rt) * 16 + g + 8 * h] = v;
             }
         __syncthreads();
-        const int row0 = ((int)blockIdx.x + ti * (int)gridDim.x) * 16 * RT;
-        for (int i = threadIdx.x; i < 16 * RT; i += blockDim.x) {
-            const int row = row0 + i;
-            if (row >= rows) continue;
-            float total = 0.f;
-            for (int wi = 0; wi < nwarps; ++wi) total += part[wi * 16 * RT + i];
-            if (OUT == OUT_ADD) y[row] += total;
-            else y[row] = total;
+        const int out0 = ((int)blockIdx.x + ti * (int)gridDim.x) * tile_outputs<RT, OUT>();
+        for (int i = threadIdx.x; i < tile_outputs<RT, OUT>(); i += blockDim.x) {
+            if (out0 + i >= outputs) continue;
+            // Slot of output i in part: row g + 8h of unit rt is slot 16 rt + 8 h + g.
+            const int slot = OUT == OUT_SWIGLU ? (i >> 3) * 16 + (i & 7) : i;
+            float total = 0.f, up = 0.f;
+            for (int wi = 0; wi < nwarps; ++wi) {
+                total += part[wi * 16 * RT + slot];
+                if (OUT == OUT_SWIGLU) up += part[wi * 16 * RT + slot + 8];
+            }
+            if (OUT == OUT_ADD) y[out0 + i] += total;
+            else if (OUT == OUT_SWIGLU) y[out0 + i] = total / (1.f + __expf(-total)) * up;
+            else y[out0 + i] = total;
         }
     }
 }

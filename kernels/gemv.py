@@ -1,8 +1,8 @@
 """Launching the GEMV kernels of gemv.cu, and their NumPy reference.
 
 A GemvShape says what is multiplied (encoding, group, rows, columns) and which fusions run at the
-input (plain, rmsnorm, swiglu) and output (store, add); a GemvConfig is the tunable part (row tiles
-of 16 per block, warps per block). make_gemv turns both plus device pointers into a Launch.
+input (plain, rmsnorm) and output (store, add, swiglu: silu(gate) * up of the fused [gate; up]
+matrix); a GemvConfig is the tunable part (row tiles of 16 per block, warps per block). make_gemv turns both plus device pointers into a Launch.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import numpy as np
 from tinyinfer.kernels.build import Launch, module
 
 ENCODING_ID = {"f16": 0, "q8": 1, "q4": 2}
-INPUT_ID = {"plain": 0, "rmsnorm": 1, "swiglu": 2}
-OUTPUT_ID = {"store": 0, "add": 1}
+INPUT_ID = {"plain": 0, "rmsnorm": 1}
+OUTPUT_ID = {"store": 0, "add": 1, "swiglu": 2}
 CHUNK_K = {"f16": 64, "q8": 128, "q4": 256}   # columns per chunk: NL(2) * 4 lanes * 16 bytes
 SUPPORTED = tuple(ENCODING_ID)
 CANDIDATES = tuple((rt, warps) for rt in (1, 2) for warps in (4, 8))
@@ -108,15 +108,27 @@ def resident_blocks(kernel, threads: int, shared: int) -> int:
     return max(1, min(by_regs, by_smem, by_threads, 32)), props["multiProcessorCount"]
 
 
+def output_rows(shape: GemvShape) -> int:
+    """Length of y: rows, or half of them for the fused [gate; up] matrix."""
+    return shape.rows // 2 if shape.output == "swiglu" else shape.rows
+
+
+def tile_outputs(shape: GemvShape) -> int:
+    """Outputs per 16-row unit of a tile (tile_outputs in gemv.cu)."""
+    return 8 if shape.output == "swiglu" else 16
+
+
 def make_gemv(mod, shape: GemvShape, config: GemvConfig, weight, x, y, aux=None, eps: float = 0.0,
               name: str = "gemv") -> Launch:
-    """Launch computing y (+)= W f(x). weight: CuPy uint8 array holding the tensor's bytes as stored.
+    """Launch computing y (+)= g(W f(x)). weight: CuPy uint8 array holding the tensor's bytes as stored.
 
     The grid is persistent: as many blocks as stay resident (at most one per row tile)."""
+    if shape.output == "swiglu" and shape.rows % 2:
+        raise ValueError(f"a fused [gate; up] matrix has an even number of rows, not {shape.rows}")
     kernel = mod.get_function(name_expression(shape, config.row_tiles))
     w_ptr = weight.data.ptr
     scale_ptr = w_ptr + scale_offset(shape) if shape.encoding != "f16" else w_ptr
-    tiles = -(-shape.rows // (16 * config.row_tiles))
+    tiles = -(-output_rows(shape) // (tile_outputs(shape) * config.row_tiles))
     shared = shared_bytes(shape, config)
     per_sm, sms = resident_blocks(kernel, 32 * config.warps, shared)
     args = (np.uint64(w_ptr), np.uint64(scale_ptr), np.int32(shape.rows), np.int32(shape.cols_pad),
@@ -126,17 +138,14 @@ def make_gemv(mod, shape: GemvShape, config: GemvConfig, weight, x, y, aux=None,
 
 
 def gemv_reference(tensor, x: np.ndarray, input: str = "plain", aux=None, eps: float = 0.0,
-                   residual: np.ndarray | None = None) -> np.ndarray:
-    """What the kernel computes, from runtime.reference: y = W f(x) (+ residual), float32."""
+                   residual: np.ndarray | None = None, output: str = "store") -> np.ndarray:
+    """What the kernel computes, from runtime.reference: y = W f(x) (+ residual, or swiglu), float32."""
     from tinyinfer.runtime import reference as ref
 
     k = tensor.cols
     x = np.asarray(x, dtype=np.float32)
-    if input == "rmsnorm":
-        h = ref.rms_norm(x[:k], aux[:k], eps)
-    elif input == "swiglu":
-        h = ref.swiglu(x[: 2 * k])
-    else:
-        h = x[:k]
+    h = ref.rms_norm(x[:k], aux[:k], eps) if input == "rmsnorm" else x[:k]
     y = ref.linear(h[None, :], tensor.to_float32())[0]
+    if output == "swiglu":
+        return ref.swiglu(y)
     return y + residual if residual is not None else y

@@ -5,8 +5,8 @@ A decode step is a fixed sequence of kernel launches over buffers allocated once
     per layer [ qkv GEMV (RMSNorm fused in its input stage)
                 attention (RoPE + KV append + split-K softmax + merge, one kernel)
                 o GEMV (+= residual)
-                gate/up GEMV (RMSNorm fused)
-                down GEMV (SwiGLU fused in its input, += residual) ]
+                gate/up GEMV (RMSNorm fused; its epilogue writes silu(gate) * up)
+                down GEMV (+= residual) ]
     -> output GEMV (final RMSNorm fused) -> sampler (picks the token, embeds it into x)
 
 5 kernels per layer + 2. The position, the current token and the step index live in a small device
@@ -96,7 +96,8 @@ class CudaBackend(Backend):
         if self.head_dim % 8 or self.head_dim > attn_k.MAX_HEAD_DIM:
             raise DeviceError(f"head_dim {self.head_dim} is not supported by the CUDA attention kernel (a multiple "
                               f"of 8, at most {attn_k.MAX_HEAD_DIM}); run with --device cpu.")
-        self.slices = attn_k.n_slices(self.n_kv, self.max_context, self.n_sms)
+        self.slices = attn_k.n_slices(self.n_kv, self.max_context, self.n_sms,
+                                      attn_k.uses_cluster(self.compute_capability))
         self.plan = memory_plan(data_extent(tinf_file), self.kv_bytes(), self.scratch_bytes(),
                                 cp.cuda.Device().mem_info[0])
         check_plan(self.plan, self.max_context)
@@ -148,7 +149,7 @@ class CudaBackend(Backend):
 
     def scratch_bytes(self) -> int:
         q_rows = (self.n_heads + 2 * self.n_kv) * self.head_dim
-        floats = 2 * self.dim + q_rows + self.n_heads * self.head_dim + 2 * self.ffn + self.vocab
+        floats = 2 * self.dim + q_rows + self.n_heads * self.head_dim + self.ffn + self.vocab
         floats += self.n_heads * self.slices * (self.head_dim + 2) + 2 * self.max_context * self.head_dim
         tuning_flush = 2 * self.l2_bytes
         return 4 * floats + 8 * (2 * self.vocab + self.max_context) + tuning_flush
@@ -167,7 +168,7 @@ class CudaBackend(Backend):
         self.x = cp.zeros(self.dim, dtype=cp.float32)
         self.qkv = cp.zeros((self.n_heads + 2 * self.n_kv) * hd, dtype=cp.float32)
         self.attn = cp.zeros(self.n_heads * hd, dtype=cp.float32)
-        self.gate_up = cp.zeros(2 * self.ffn, dtype=cp.float32)
+        self.ffn_hidden = cp.zeros(self.ffn, dtype=cp.float32)     # silu(gate) * up
         self.logits = cp.zeros(self.vocab, dtype=cp.float32)
         self.k_cache = cp.zeros((self.n_layers, ctx, self.n_kv, hd), dtype=cp.float16)
         self.v_cache = cp.zeros((self.n_layers, ctx, self.n_kv, hd), dtype=cp.float16)
@@ -192,8 +193,8 @@ class CudaBackend(Backend):
         return {
             "wqkv": gemv_k.shape_of(info("layers.0.wqkv"), "rmsnorm", "store"),
             "wo": gemv_k.shape_of(info("layers.0.wo"), "plain", "add"),
-            "w_gate_up": gemv_k.shape_of(info("layers.0.w_gate_up"), "rmsnorm", "store"),
-            "w_down": gemv_k.shape_of(info("layers.0.w_down"), "swiglu", "add"),
+            "w_gate_up": gemv_k.shape_of(info("layers.0.w_gate_up"), "rmsnorm", "swiglu"),
+            "w_down": gemv_k.shape_of(info("layers.0.w_down"), "plain", "add"),
             "output": gemv_k.shape_of(info("output"), "rmsnorm", "store"),
         }
 
@@ -234,9 +235,9 @@ class CudaBackend(Backend):
         elif role == "wo":
             x, y, aux = self.attn, self.x, None
         elif role == "w_gate_up":
-            x, y, aux = self.x, self.gate_up, self.f32_view(f"layers.{layer}.ffn_norm")
+            x, y, aux = self.x, self.ffn_hidden, self.f32_view(f"layers.{layer}.ffn_norm")
         elif role == "w_down":
-            x, y, aux = self.gate_up, self.x, None
+            x, y, aux = self.ffn_hidden, self.x, None
         else:
             x, y, aux = self.x, self.logits, self.f32_view("norm")
         return gemv_k.make_gemv(self.gemv_module, shape, config, self.view(name), x, y, aux, eps,
@@ -330,7 +331,7 @@ class CudaBackend(Backend):
                                                                  for layer in layers]
                                 for rt, warps in gemv_k.CANDIDATES}
         self.x.fill(0.5)
-        self.gate_up.fill(0.5)
+        self.ffn_hidden.fill(0.5)
         self.attn.fill(0.5)
         best, self.tuning_times = autotune.tune(candidates, self.stream, self.wait_launch, self.flush_l2())
         self._flush = self._flush_buffer = None

@@ -13,9 +13,9 @@ from gpu_timing import graph_us_per_launch
 
 SRC = expanded_source("gemv.cu")
 SHAPES = [("tl wqkv", 2560, 2048, "rmsnorm", "store"), ("tl wo", 2048, 2048, "plain", "add"),
-          ("tl gate_up", 11264, 2048, "rmsnorm", "store"), ("tl down", 2048, 5632, "swiglu", "add"),
+          ("tl gate_up", 11264, 2048, "rmsnorm", "swiglu"), ("tl down", 2048, 5632, "plain", "add"),
           ("7b wqkv", 12288, 4096, "rmsnorm", "store"), ("7b wo", 4096, 4096, "plain", "add"),
-          ("7b gate_up", 22016, 4096, "rmsnorm", "store"), ("7b down", 4096, 11008, "swiglu", "add")]
+          ("7b gate_up", 22016, 4096, "rmsnorm", "swiglu"), ("7b down", 4096, 11008, "plain", "add")]
 VARIANTS = [(4, 2, 2), (2, 2, 2), (2, 3, 2), (3, 2, 2), (2, 2, 3), (8, 2, 1)]   # (depth RT1, depth RT2, min blocks)
 rng = np.random.default_rng(0)
 data = {}

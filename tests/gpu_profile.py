@@ -15,8 +15,8 @@ from tinyinfer.runtime.bench import random_encoded
 
 cc = device_compute_capability()
 rng = np.random.default_rng(0)
-cases = [((22016, 4096), "rmsnorm", "store", (2, 4)), ((22016, 4096), "rmsnorm", "store", (1, 8)),
-         ((4096, 11008), "swiglu", "add", (1, 8)), ((2560, 2048), "rmsnorm", "store", (2, 8))]
+cases = [((22016, 4096), "rmsnorm", "swiglu", (2, 4)), ((22016, 4096), "rmsnorm", "store", (1, 8)),
+         ((4096, 11008), "plain", "add", (1, 8)), ((2560, 2048), "rmsnorm", "store", (2, 8))]
 for (rows, cols), inp, outp, (rt, w) in cases:
     t = random_encoded("q4", (rows, cols), 64, rng, 1 / np.sqrt(cols))
     shape = gemv_k.shape_of(t, inp, outp)
@@ -38,7 +38,7 @@ for (rows, cols), inp, outp, (rt, w) in cases:
 for n_heads, n_kv, hd in [(32, 4, 64), (32, 32, 128)]:
     mod = attn_k.compile_attention(cc)
     ctx = 2048
-    slices = attn_k.n_slices(n_kv, ctx, 132)
+    slices = attn_k.n_slices(n_kv, ctx, 132, attn_k.uses_cluster(cc))
     cos, sin = ref.rope_tables(hd, ctx, 10000.0, None)
     kc = cp.asarray(rng.standard_normal((ctx, n_kv, hd)).astype(np.float16))
     vc = cp.asarray(rng.standard_normal((ctx, n_kv, hd)).astype(np.float16))

@@ -114,7 +114,8 @@ def test_gemv_reference_is_the_reference_math():
     t = random_encoded("q8", (50, 96), 32, rng)
     x = rng.standard_normal(192).astype(np.float32)
     w = t.to_float32()
-    np.testing.assert_allclose(gemv_k.gemv_reference(t, x, "swiglu"), w @ ref.swiglu(x), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(gemv_k.gemv_reference(t, x, output="swiglu"), ref.swiglu(w @ x[:96]), rtol=1e-5,
+                               atol=1e-6)
     norm = rng.random(96).astype(np.float32)
     np.testing.assert_allclose(gemv_k.gemv_reference(t, x, "rmsnorm", norm, 1e-5, residual=x[:50]),
                                w @ ref.rms_norm(x[:96], norm, 1e-5) + x[:50], rtol=1e-5, atol=1e-6)
@@ -132,8 +133,9 @@ def test_attention_reference_matches_the_numpy_backend_math():
     keys, values = cache_k.copy(), cache_v.copy()
     keys[pos], values[pos] = k_row, v_row
     np.testing.assert_allclose(out, ref.attention(q, keys, values, np.array([pos]))[0], rtol=1e-6)
-    assert attn_k.n_slices(4, 2048, 132) == 64 and attn_k.n_slices(32, 272, 132) == 9
-    assert attn_k.n_slices(32, 16, 132) == 1
+    assert attn_k.n_slices(4, 2048, 132, False) == 64 and attn_k.n_slices(32, 272, 132, False) == 9
+    assert attn_k.n_slices(32, 16, 132, False) == 1 and attn_k.n_slices(4, 2048, 132, True) == attn_k.CLUSTER_SIZE
+    assert attn_k.uses_cluster(90) and not attn_k.uses_cluster(86) and not attn_k.uses_cluster(90, cluster=False)
 
 
 def test_autotune_cache_roundtrip(small_model, tmp_path, monkeypatch):

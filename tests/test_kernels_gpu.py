@@ -29,12 +29,13 @@ MAX_ERROR = 1e-3
 # the group, rows not a multiple of 16).
 SHAPES = {
     "tinyllama-qkv": (2560, 2048), "tinyllama-down": (2048, 5632), "llama7b-down": (4096, 11008),
-    "llama7b-gate-up": (22016, 4096), "odd": (100, 200), "odd-small": (37, 72), "tiny": (16, 8),
+    "llama7b-gate-up": (22016, 4096), "tinyllama-gate-up": (11264, 2048), "odd": (100, 200),
+    "odd-small": (37, 72), "odd-gate-up": (74, 200), "tiny": (16, 8),
 }
 FUSIONS = {   # shape -> (input, output) as the model uses that matrix
-    "tinyllama-qkv": ("rmsnorm", "store"), "tinyllama-down": ("swiglu", "add"), "llama7b-down": ("swiglu", "add"),
-    "llama7b-gate-up": ("rmsnorm", "store"), "odd": ("plain", "add"), "odd-small": ("rmsnorm", "store"),
-    "tiny": ("plain", "store"),
+    "tinyllama-qkv": ("rmsnorm", "store"), "tinyllama-down": ("plain", "add"), "llama7b-down": ("plain", "add"),
+    "llama7b-gate-up": ("rmsnorm", "swiglu"), "tinyllama-gate-up": ("rmsnorm", "swiglu"), "odd": ("plain", "add"),
+    "odd-small": ("rmsnorm", "store"), "odd-gate-up": ("plain", "swiglu"), "tiny": ("plain", "store"),
 }
 
 
@@ -67,15 +68,15 @@ def run_gemv(cp, cc, tensor, input, output, config, rng):
     shape = gemv_k.shape_of(tensor, input, output)
     mod, _ = gemv_k.compile_gemvs([(shape, config.row_tiles)], cc)
     k = tensor.cols
-    x = rng.standard_normal(2 * k if input == "swiglu" else k).astype(np.float32)
+    x = rng.standard_normal(k).astype(np.float32)
     aux = (1 + 0.1 * rng.standard_normal(k)).astype(np.float32) if input == "rmsnorm" else None
     residual = rng.standard_normal(tensor.rows).astype(np.float32) if output == "add" else None
-    y = cp.asarray(residual) if residual is not None else cp.full(tensor.rows, np.nan, dtype=cp.float32)
+    y = cp.asarray(residual) if residual is not None else cp.full(gemv_k.output_rows(shape), np.nan, dtype=cp.float32)
     launch = gemv_k.make_gemv(mod, shape, config, cp.asarray(stored_bytes(tensor)), cp.asarray(x), y,
                               cp.asarray(aux) if aux is not None else None, 1e-5)
     launch()
     cp.cuda.Device().synchronize()
-    expected = gemv_k.gemv_reference(tensor, x, input, aux, 1e-5, residual)
+    expected = gemv_k.gemv_reference(tensor, x, input, aux, 1e-5, residual, output)
     got = y.get()
     assert np.isfinite(got).all(), "unwritten or non-finite outputs"
     return relative_error(got, expected)
@@ -96,8 +97,9 @@ def test_gemv_every_shape_class(cupy_gpu, cc, encoding, name):
 def test_gemv_every_tuning_candidate(cupy_gpu, cc, encoding, row_tiles, warps):
     rng = np.random.default_rng(row_tiles * 10 + warps)
     tensor = random_encoded(encoding, (1000, 1000), None if encoding == "f16" else 64, rng, 1 / np.sqrt(1000))
-    error = run_gemv(cupy_gpu, cc, tensor, "swiglu", "add", gemv_k.GemvConfig(row_tiles, warps), rng)
-    assert error <= MAX_ERROR, f"R={row_tiles} warps={warps}: {error:.2e}"
+    for input, output in [("plain", "add"), ("rmsnorm", "swiglu")]:
+        error = run_gemv(cupy_gpu, cc, tensor, input, output, gemv_k.GemvConfig(row_tiles, warps), rng)
+        assert error <= MAX_ERROR, f"R={row_tiles} warps={warps} {input}>{output}: {error:.2e}"
 
 
 @pytest.mark.parametrize("encoding", ["q8", "q4"])
@@ -131,17 +133,22 @@ ATTENTION_SHAPES = {   # (n_heads, n_kv_heads, head_dim)
 
 @pytest.mark.parametrize("name", list(ATTENTION_SHAPES))
 @pytest.mark.parametrize("tile", [True, False])
-def test_attention_matches_reference(cupy_gpu, cc, name, tile):
+@pytest.mark.parametrize("cluster", [None, False], ids=["device-merge", "global-merge"])
+def test_attention_matches_reference(cupy_gpu, cc, name, tile, cluster):
+    """Both slice merges: the device's own (a thread-block cluster on Hopper and newer) and the
+    global-memory merge of older GPUs, compiled here for this GPU too."""
     cp = cupy_gpu
+    if cluster is None and not attn_k.uses_cluster(cc):
+        pytest.skip("the device merge is the global merge on this GPU")
     n_heads, n_kv, hd = ATTENTION_SHAPES[name]
     max_ctx = 1100
     scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 256} if name == "odd" else None
     cos, sin = ref.rope_tables(hd, max_ctx, 10000.0, scaling)
-    mod = attn_k.compile_attention(cc)
+    mod = attn_k.compile_attention(cc, cluster)
     sms = cp.cuda.runtime.getDeviceProperties(0)["multiProcessorCount"]
-    slices = attn_k.n_slices(n_kv, max_ctx, sms)
-    rng = np.random.default_rng(len(name) + tile)
+    slices = attn_k.n_slices(n_kv, max_ctx, sms, attn_k.uses_cluster(cc, cluster))
+    rng = np.random.default_rng(len(name) + tile + 2 * (cluster is None))
     for pos in [0, 1, 31, 32, 33, 200, 1099]:
         cache_k = rng.standard_normal((max_ctx, n_kv, hd)).astype(np.float16)
         cache_v = rng.standard_normal((max_ctx, n_kv, hd)).astype(np.float16)
