@@ -93,11 +93,13 @@ class CudaBackend(Backend):
         self.n_heads, self.n_kv, self.head_dim, self.ffn = c["n_heads"], c["n_kv_heads"], c["head_dim"], c["ffn_dim"]
         self.inspect_device()
         check_encodings(tinf_file)
-        if self.head_dim % 8 or self.head_dim > attn_k.MAX_HEAD_DIM:
-            raise DeviceError(f"head_dim {self.head_dim} is not supported by the CUDA attention kernel (a multiple "
-                              f"of 8, at most {attn_k.MAX_HEAD_DIM}); run with --device cpu.")
-        self.slices = attn_k.n_slices(self.n_kv, self.max_context, self.n_sms,
-                                      attn_k.uses_cluster(self.compute_capability))
+        try:
+            attn_k.check_shape(self.n_heads, self.n_kv, self.head_dim)      # at MAX_THREADS
+        except ValueError as e:
+            raise DeviceError(f"The CUDA attention kernel cannot run this model: {e}; run with --device cpu.") from None
+        self.attn_cluster = attn_k.uses_cluster(self.compute_capability)
+        self.slices = attn_k.n_slices(self.n_kv, self.max_context, self.n_sms, self.attn_cluster)
+        self.attn_threads = attn_k.threads_for(self.n_heads, self.n_kv, self.head_dim, self.slices, self.n_sms)
         self.plan = memory_plan(data_extent(tinf_file), self.kv_bytes(), self.scratch_bytes(),
                                 cp.cuda.Device().mem_info[0])
         check_plan(self.plan, self.max_context)
@@ -213,14 +215,14 @@ class CudaBackend(Backend):
         self.shapes = self.gemv_shapes()
         items = [(shape, rt) for shape in self.shapes.values() for rt, _ in gemv_k.CANDIDATES]
         self.gemv_module, _ = gemv_k.compile_gemvs(items, cc)
-        self.attn_module = attn_k.compile_attention(cc)
+        self.attn_module = attn_k.compile_attention(cc, self.attn_cluster)
         self.misc_module = misc_k.compile_misc(cc)
         self.sample_module = sample_k.compile_sampler(cc)
         # Force NVRTC now, so its time is not charged to tuning.
         for shape in self.shapes.values():
             for rt, _ in gemv_k.CANDIDATES:
                 self.gemv_module.get_function(gemv_k.name_expression(shape, rt))
-        self.attn_module.get_function("attention<true>")
+        self.attn_module.get_function("attention")
         self.misc_module.get_function("embed")
         self.sample_module.get_function("sample_token")
 
@@ -246,7 +248,7 @@ class CudaBackend(Backend):
     def attention_launch(self, layer: int):
         kv_row_bytes = self.n_kv * self.head_dim * 2
         return attn_k.make_attention(
-            self.attn_module, self.n_heads, self.n_kv, self.head_dim, self.slices, self.qkv,
+            self.attn_module, self.n_heads, self.n_kv, self.head_dim, self.slices, self.attn_threads, self.qkv,
             self.k_cache[layer], self.v_cache[layer], self.state, self.rope_cos, self.rope_sin,
             self.part_o, self.part_ml, self.counters, self.attn, kv_bytes=2 * kv_row_bytes)
 
@@ -344,9 +346,9 @@ class CudaBackend(Backend):
     def describe(self) -> str:
         lines = [f"cuda backend: {self.gpu_name} (sm_{self.compute_capability}, {self.n_sms} SMs), "
                  f"{len(self.step)} kernels per token in one CUDA graph "
-                 f"({'with' if self.pdl else 'without'} programmatic dependent launch), attention "
-                 f"{'tiled (grouped heads)' if attn_k.use_tile(self.n_heads, self.n_kv) else 'split-K'} "
-                 f"x {self.slices} slices",
+                 f"({'with' if self.pdl else 'without'} programmatic dependent launch), attention over "
+                 f"{self.slices} slices of {self.attn_threads} threads merged "
+                 f"{'in thread-block clusters' if self.attn_cluster else 'in global memory'}",
                  f"load {self.timings['load_s']:.2f} s (upload {self.timings['upload_s']:.2f} s, compile "
                  f"{self.timings['compile_s']:.2f} s, tune {self.timings['tune_s']:.2f} s [{self.tuning_source}], "
                  f"capture {self.timings['capture_s']:.2f} s)"]

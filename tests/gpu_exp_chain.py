@@ -5,13 +5,13 @@ through programmatic dependent launch and per-kernel timings alone do not add up
 For a random-weight q4 model it replays variants of the step graph and prints us per token:
 the whole step, the step without each kernel role (the difference is that role's share of the
 critical path), the GEMV grids capped at one block per SM (leaving room on every SM for the next
-kernel's blocks to start their weight loads early), and a chain of as many empty PDL kernels (the
-floor of one graph node after another)."""
+kernel's blocks to start their weight loads early), a chain of as many empty PDL kernels (the
+floor of one graph node after another), and attention variants (a stage left out, the slice
+granule, threads per block, cluster or global merge)."""
 import sys
 import tempfile
 from pathlib import Path
 
-import numpy as np
 import cupy as cp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
@@ -80,40 +80,24 @@ def run(shape: str) -> None:
             b.graph = b.capture(b.step)
 
 
-# (label, file, [(old, new), ...]): kernels edited to leave a stage out or change a constant.
-ATTENTION_VARIANTS = [
-    ("attention returns after pdl_wait", [("    pdl_wait();\n    if (begin < end)\n", "    pdl_wait();\n    return;\n    if (begin < end)\n")]),
-    ("attention without the slice merge", [("#if ATT_USE_CLUSTER\n    if (active == 1) return;", "#if ATT_USE_CLUSTER\n    return;")]),
-    ("attention granule 32", [("#define ATT_GRANULE 16 ", "#define ATT_GRANULE 32 ")]),
-    ("attention granule 64", [("#define ATT_GRANULE 16 ", "#define ATT_GRANULE 64 ")]),
-]
-def edited(name, edits, exprs=()):
-    src = expanded_source(name)
+# (label, [(old, new), ...]): the attention kernel edited to leave a stage out or change a constant.
+def attention_variants(cluster: bool):
+    merge = "#if ATT_USE_CLUSTER\n    if (active == 1) return;" if cluster else "#else\n    if (active == 1) return;"
+    return [
+        ("attention returns after pdl_wait", [("    pdl_wait();\n    if (begin < end) {\n", "    pdl_wait();\n    return;\n    if (begin < end) {\n")]),
+        ("attention without the slice merge", [(merge, merge.replace("if (active == 1) return;", "return;"))]),
+        ("attention granule 32", [("#define ATT_GRANULE 16 ", "#define ATT_GRANULE 32 ")]),
+        ("attention granule 64", [("#define ATT_GRANULE 16 ", "#define ATT_GRANULE 64 ")]),
+    ]
+
+
+def edited_attention(b, edits, cluster: bool):
+    src = expanded_source("attention.cu")
     for old, new in edits:
-        assert old in src, f"{name} changed: update the variant ({old[:40]}...)"
+        assert old in src, f"attention.cu changed: update the variant ({old[:40]}...)"
         src = src.replace(old, new)
-    return cp.RawModule(code=src, options=compile_options(b_cc), name_expressions=list(exprs))
-
-
-def old_attention(b):
-    """The attention kernel of git HEAD~N (the global-merge, register-batch version), as a module and
-    its shared-memory formula, for comparison."""
-    src = Path(OLD_ATTENTION_FILE).read_text()
-    common = expanded_source("common.cuh")
-    mod = cp.RawModule(code=src.replace('#include "common.cuh"', common), options=compile_options(b.compute_capability),
-                       name_expressions=["attention<true>", "attention<false>"])
-
-    def shared(n_heads, n_kv, hd, slices, tile):
-        group = n_heads // n_kv
-        chunks = -(-group // (4 if tile else 1))
-        parts = max(1, 4 // chunks)
-        floats = (1 + parts) * group * hd + (2 * parts * group + 3) // 4 * 4
-        return 4 * floats + 2 * 2 * hd + 4 * 8 * slices
-    return mod, shared
-
-
-OLD_ATTENTION = "9080c1c"
-OLD_ATTENTION_FILE = "gpu_assets/old_attention.cu"   # git show 9080c1c:kernels/attention.cu
+    options = compile_options(b.compute_capability) + (f"-DATT_USE_CLUSTER={int(cluster)}",)
+    return cp.RawModule(code=src, options=options)
 
 
 def with_slices(b, slices):
@@ -123,42 +107,21 @@ def with_slices(b, slices):
 
 
 def source_variants(b, prompt, tuning) -> None:
-    global b_cc
-    b_cc = b.compute_capability
-    base_attn, base_slices, base_shared = b.attn_module, b.slices, attn_k.shared_bytes
+    base_attn, base_slices, base_threads = b.attn_module, b.slices, b.attn_threads
     whole = time_step(b, prompt, b.build_step(tuning))
-    print(f"  base step {whole:.1f} us", flush=True)
-    for label, edits in ATTENTION_VARIANTS:
-        b.attn_module = edited("attention.cu", edits, ("attention<true>", "attention<false>"))
+    print(f"  base step {whole:.1f} us (attention: {b.attn_threads} threads, merged "
+          f"{'in clusters' if b.attn_cluster else 'in global memory'})", flush=True)
+    for label, edits in attention_variants(b.attn_cluster):
+        b.attn_module = edited_attention(b, edits, b.attn_cluster)
         print(f"  {label}: {time_step(b, prompt, b.build_step(tuning)) - whole:+.1f} us", flush=True)
-    global_slices = attn_k.n_slices(b.n_kv, b.max_context, b.n_sms, False)
-    for halves in (2048, 4096):
-        attn_k.STAGE_HALVES = halves
-        stage = [("#define ATT_STAGE_HALVES 4096 ", f"#define ATT_STAGE_HALVES {halves} ")]
+    for threads in (128, 256):
         for cluster in (True, False):
-            b.attn_module = edited("attention.cu", stage + ([] if cluster else [
-                ("#ifndef ATT_USE_CLUSTER ", "#define ATT_USE_CLUSTER 0\n#ifndef ATT_USE_CLUSTER ")]),
-                ("attention<true>", "attention<false>"))
-            with_slices(b, base_slices if cluster else global_slices)
-            step = b.build_step(tuning)
-            line = f"  stage {halves} halves, {'cluster' if cluster else 'global'} merge: {time_step(b, prompt, step) - whole:+.1f} us"
-            for launch in step:
-                try:
-                    launch.kernel.preferred_shared_memory_carveout = 100
-                except Exception as e:  # noqa: BLE001
-                    line += f" (carveout: {e})"
-                    break
-            print(line + f"; all kernels carveout 100: {time_step(b, prompt, step) - whole:+.1f} us", flush=True)
-            for launch in step:
-                try:
-                    launch.kernel.preferred_shared_memory_carveout = -1
-                except Exception:  # noqa: BLE001
-                    break
-    attn_k.STAGE_HALVES = 4096
-    b.attn_module, attn_k.shared_bytes = old_attention(b)
-    with_slices(b, global_slices)
-    print(f"  attention of {OLD_ATTENTION}: {time_step(b, prompt, b.build_step(tuning)) - whole:+.1f} us", flush=True)
-    b.attn_module, attn_k.shared_bytes = base_attn, base_shared
+            b.attn_module, b.attn_threads = edited_attention(b, [], cluster), threads
+            with_slices(b, attn_k.n_slices(b.n_kv, b.max_context, b.n_sms, cluster))
+            us = time_step(b, prompt, b.build_step(tuning)) - whole
+            print(f"  {threads} threads, {'cluster' if cluster else 'global'} merge: {us:+.1f} us", flush=True)
+    b.attn_threads = base_threads
+    b.attn_module = base_attn
     with_slices(b, base_slices)
 
 

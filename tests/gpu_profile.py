@@ -36,13 +36,14 @@ for (rows, cols), inp, outp, (rt, w) in cases:
     cp.cuda.Device().synchronize()
 
 for n_heads, n_kv, hd in [(32, 4, 64), (32, 32, 128)]:
-    mod = attn_k.compile_attention(cc)
+    cluster = attn_k.uses_cluster(cc)
+    mod = attn_k.compile_attention(cc, cluster)
     ctx = 2048
-    slices = attn_k.n_slices(n_kv, ctx, 132, attn_k.uses_cluster(cc))
+    slices = attn_k.n_slices(n_kv, ctx, 132, cluster)
     cos, sin = ref.rope_tables(hd, ctx, 10000.0, None)
     kc = cp.asarray(rng.standard_normal((ctx, n_kv, hd)).astype(np.float16))
     vc = cp.asarray(rng.standard_normal((ctx, n_kv, hd)).astype(np.float16))
-    launch = attn_k.make_attention(mod, n_heads, n_kv, hd, slices, cp.asarray(rng.standard_normal((n_heads + 2 * n_kv) * hd).astype(np.float32)),
+    launch = attn_k.make_attention(mod, n_heads, n_kv, hd, slices, attn_k.threads_for(n_heads, n_kv, hd, slices, 132), cp.asarray(rng.standard_normal((n_heads + 2 * n_kv) * hd).astype(np.float32)),
                                    kc, vc, cp.asarray(np.array([271, 0, 0, 0], np.int32)), cp.asarray(cos), cp.asarray(sin),
                                    cp.zeros(n_heads * slices * hd, cp.float32), cp.zeros(n_heads * slices * 2, cp.float32),
                                    cp.zeros(n_kv, cp.uint32), cp.zeros(n_heads * hd, cp.float32))

@@ -135,7 +135,24 @@ def test_attention_reference_matches_the_numpy_backend_math():
     np.testing.assert_allclose(out, ref.attention(q, keys, values, np.array([pos]))[0], rtol=1e-6)
     assert attn_k.n_slices(4, 2048, 132, False) == 64 and attn_k.n_slices(32, 272, 132, False) == 9
     assert attn_k.n_slices(32, 16, 132, False) == 1 and attn_k.n_slices(4, 2048, 132, True) == attn_k.CLUSTER_SIZE
-    assert attn_k.uses_cluster(90) and not attn_k.uses_cluster(86) and not attn_k.uses_cluster(90, cluster=False)
+    assert attn_k.uses_cluster(90) and not attn_k.uses_cluster(86)
+    assert attn_k.threads_for(32, 4, 64, 8, 132) == 256 and attn_k.threads_for(32, 32, 128, 8, 132) == 128
+    assert attn_k.threads_for(64, 1, 128, 200, 132) == 256      # 64 heads x 128 dims need 256 threads
+
+
+def test_attention_shape_limits():
+    attn_k.check_shape(32, 4, 64)
+    attn_k.check_shape(64, 8, 128)
+    attn_k.check_shape(64, 1, 128, 256)
+    for n_heads, n_kv, hd, threads in [(32, 4, 12, 256), (8, 1, 264, 256), (64, 1, 256, 256), (12, 5, 64, 256),
+                                       (64, 1, 128, 128)]:
+        with pytest.raises(ValueError):
+            attn_k.check_shape(n_heads, n_kv, hd, threads)
+    # q, scores, running max/sum/rescale, block result, merge weights, new k/v row, staged K and V rows
+    stage = attn_k.STAGE_HALVES // 64
+    assert attn_k.shared_bytes(32, 4, 64, 8, 256) == 4 * (2 * 8 * 64 + 8 * stage + 24 + 16 + 64) + 4 * 64 + 4 * stage * 72
+    # 64 heads of 128 on one KV head: the p . V part sums (64 * 128 floats) outgrow the staged rows
+    assert attn_k.shared_bytes(64, 1, 128, 8, 256) == 4 * (2 * 64 * 128 + 64 * 32 + 192 + 128 + 64) + 4 * 128 + 4 * 64 * 128
 
 
 def test_autotune_cache_roundtrip(small_model, tmp_path, monkeypatch):

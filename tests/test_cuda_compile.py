@@ -17,8 +17,6 @@ from tinyinfer.kernels.build import SOURCES, source_text
 NVCC = shutil.which("nvcc")
 ARCHES = ["sm_75", "sm_86", "sm_90"]
 GEMV_ARGS = "(const unsigned char*, const __half*, int, int, int, const float*, const float*, float, float*)"
-ATTENTION_ARGS = ("(const float*, __half*, __half*, const int*, const float*, const float*, int, int, int, "
-                  "float*, float*, unsigned int*, float*)")
 # (encoding, group, row tiles, input, output): every encoding and group, every R, every fusion.
 GEMV_INSTANCES = [("W_F16", 0, 1, "IN_RMSNORM", "OUT_STORE"), ("W_Q8", 32, 2, "IN_RMSNORM", "OUT_SWIGLU"),
                   ("W_Q8", 64, 2, "IN_PLAIN", "OUT_ADD"), ("W_Q8", 128, 1, "IN_RMSNORM", "OUT_STORE"),
@@ -31,8 +29,6 @@ def wrapper(name: str) -> str:
     lines = [f'#include "{name}"']
     if name == "gemv.cu":
         lines += [f"template __global__ void gemv<{e},{g},{r},{i},{o}>{GEMV_ARGS};" for e, g, r, i, o in GEMV_INSTANCES]
-    if name == "attention.cu":
-        lines += [f"template __global__ void attention<{t}>{ATTENTION_ARGS};" for t in ("true", "false")]
     return "\n".join(lines) + "\n"
 
 
@@ -94,7 +90,7 @@ def test_kernel_compiles_with_nvrtc(name, cc):
         "gemv.cu": [name_expression(GemvShape(e, g, 1, 1, 1, i, o), rt) for e, g in [("q4", 64), ("q8", 32), ("f16", 0)]
                     for rt, _ in CANDIDATES[::2] for i, o in [("rmsnorm", "store"), ("plain", "add"),
                                                                                 ("rmsnorm", "swiglu")]],
-        "attention.cu": ["attention<true>", "attention<false>"]}.get(name, [])
+    }.get(name, [])
     program = nvrtc.createProgram(build.expanded_source(name), name, [], [])
     for expression in expressions:
         nvrtc.addNameExpression(program, expression)

@@ -127,19 +127,24 @@ def test_gemv_quantized_by_the_format_encoder(cupy_gpu, cc):
 
 ATTENTION_SHAPES = {   # (n_heads, n_kv_heads, head_dim)
     "tinyllama": (32, 4, 64), "llama7b": (32, 32, 128), "stories260k": (8, 4, 8), "mqa": (8, 1, 64),
-    "odd": (12, 3, 96),
+    "odd": (12, 3, 96), "llama70b": (64, 8, 128), "mqa-wide": (64, 1, 128),
 }
 
 
 @pytest.mark.parametrize("name", list(ATTENTION_SHAPES))
-@pytest.mark.parametrize("tile", [True, False])
-@pytest.mark.parametrize("cluster", [None, False], ids=["device-merge", "global-merge"])
-def test_attention_matches_reference(cupy_gpu, cc, name, tile, cluster):
-    """Both slice merges: the device's own (a thread-block cluster on Hopper and newer) and the
-    global-memory merge of older GPUs, compiled here for this GPU too."""
+@pytest.mark.parametrize("cluster", [True, False], ids=["cluster-merge", "global-merge"])
+@pytest.mark.parametrize("threads", [128, 256])
+def test_attention_matches_reference(cupy_gpu, cc, name, cluster, threads):
+    """Both slice merges (in a thread-block cluster on Hopper and newer, in global memory) and both
+    block sizes, whichever the backend would pick for the shape."""
     cp = cupy_gpu
-    if cluster is None and not attn_k.uses_cluster(cc):
-        pytest.skip("the device merge is the global merge on this GPU")
+    if cluster and cc < attn_k.CLUSTER_MIN_COMPUTE_CAPABILITY:
+        pytest.skip("thread-block clusters need compute capability 9.0")
+    n_heads, n_kv, hd = ATTENTION_SHAPES[name]
+    try:
+        attn_k.check_shape(n_heads, n_kv, hd, threads)
+    except ValueError:
+        pytest.skip(f"{name} needs more than {threads} threads")
     n_heads, n_kv, hd = ATTENTION_SHAPES[name]
     max_ctx = 1100
     scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -147,8 +152,8 @@ def test_attention_matches_reference(cupy_gpu, cc, name, tile, cluster):
     cos, sin = ref.rope_tables(hd, max_ctx, 10000.0, scaling)
     mod = attn_k.compile_attention(cc, cluster)
     sms = cp.cuda.runtime.getDeviceProperties(0)["multiProcessorCount"]
-    slices = attn_k.n_slices(n_kv, max_ctx, sms, attn_k.uses_cluster(cc, cluster))
-    rng = np.random.default_rng(len(name) + tile + 2 * (cluster is None))
+    slices = attn_k.n_slices(n_kv, max_ctx, sms, cluster)
+    rng = np.random.default_rng(len(name) + 2 * cluster + threads)
     for pos in [0, 1, 31, 32, 33, 200, 1099]:
         cache_k = rng.standard_normal((max_ctx, n_kv, hd)).astype(np.float16)
         cache_v = rng.standard_normal((max_ctx, n_kv, hd)).astype(np.float16)
@@ -159,9 +164,9 @@ def test_attention_matches_reference(cupy_gpu, cc, name, tile, cluster):
         out = cp.full(n_heads * hd, np.nan, dtype=cp.float32)
         counters = cp.zeros(n_kv, dtype=cp.uint32)
         launch = attn_k.make_attention(
-            mod, n_heads, n_kv, hd, slices, cp.asarray(qkv), k_dev, v_dev, cp.asarray(np.array([pos, 0, 0, 0], np.int32)),
+            mod, n_heads, n_kv, hd, slices, threads, cp.asarray(qkv), k_dev, v_dev, cp.asarray(np.array([pos, 0, 0, 0], np.int32)),
             cp.asarray(cos), cp.asarray(sin), cp.zeros(n_heads * slices * hd, cp.float32),
-            cp.zeros(n_heads * slices * 2, cp.float32), counters, out, tile=tile)
+            cp.zeros(n_heads * slices * 2, cp.float32), counters, out)
         expected, k_row, v_row = attn_k.attention_reference(qkv, cache_k.astype(np.float32),
                                                             cache_v.astype(np.float32), pos, n_heads, n_kv, hd, cos, sin)
         for repeat in range(2):                   # the merge counters must be back at zero
@@ -170,15 +175,11 @@ def test_attention_matches_reference(cupy_gpu, cc, name, tile, cluster):
             got = out.get()
             assert np.isfinite(got).all(), f"pos {pos}: unwritten outputs"
             error = relative_error(got, expected)
-            assert error <= MAX_ERROR, f"{name} tile={tile} pos {pos} (run {repeat}): {error:.2e}"
+            assert error <= MAX_ERROR, f"{name} {threads} threads pos {pos} (run {repeat}): {error:.2e}"
             assert not counters.get().any()
         # k is rotated in fp32 (the GPU may fuse a multiply-add) then stored as fp16: within one fp16 ulp.
         np.testing.assert_allclose(k_dev[pos].get().astype(np.float32), k_row, rtol=1e-3, atol=1e-7)
         np.testing.assert_array_equal(v_dev[pos].get(), v_row.astype(np.float16))
-
-
-def test_attention_variant_choice():
-    assert attn_k.use_tile(32, 4) and not attn_k.use_tile(32, 32)
 
 
 # ----------------------------------------------------------------------------------------- sampling
