@@ -335,7 +335,7 @@ class CudaBackend(Backend):
         self.x.fill(0.5)
         self.ffn_hidden.fill(0.5)
         self.attn.fill(0.5)
-        best, self.tuning_times = autotune.tune(candidates, self.stream, self.wait_launch, self.flush_l2())
+        best, self.tuning_times = autotune.tune(candidates, self.stream, self.wait_launch, self.flush_l2(), self.pdl)
         self._flush = self._flush_buffer = None
         self.tuning_source = "measured"
         autotune.save_cached(key, {role: best[role].as_dict() for role in roles},

@@ -2,7 +2,7 @@
 of the test suite): where the decode step's time goes inside the CUDA graph, where kernels overlap
 through programmatic dependent launch and per-kernel timings alone do not add up.
 
-For a random-weight q4 model it replays variants of the step graph and prints us per token:
+For a random-weight model (q4 unless SHAPE:QUANT says otherwise) it replays variants of the step graph and prints us per token:
 the whole step, the step without each kernel role (the difference is that role's share of the
 critical path), the GEMV grids capped at one block per SM (leaving room on every SM for the next
 kernel's blocks to start their weight loads early), a chain of as many empty PDL kernels (the
@@ -40,6 +40,28 @@ def capped(limit):
     return resident
 
 
+def roles_and_grids(b, prompt, tuning) -> None:
+    """The whole step, and without each role, with the GEMV grids as tuned and capped at 1 block/SM."""
+    for label, limit in (("grid as tuned", 64), ("gemv <= 1 block/SM", 1)):
+        gemv_k.resident_blocks = capped(limit)
+        step = b.build_step(tuning)
+        whole = time_step(b, prompt, step)
+        line = [f"{label}: step {whole:.1f} us ({1e6 / whole:.0f} tok/s)"]
+        for role in ("gemv wqkv", "attention", "gemv wo", "gemv w_gate_up", "gemv w_down"):
+            rest = [x for x in step if not x.name.startswith(role)]
+            line.append(f"without {role.split()[-1]} -{whole - time_step(b, prompt, rest):.1f}")
+        print("; ".join(line), flush=True)
+    gemv_k.resident_blocks = uncapped
+
+
+def null_chains(b, prompt, tuning) -> None:
+    n = len(b.step)
+    for blocks, threads in ((b.n_sms, 256), (2 * b.n_sms, 256), (4 * 32, 128)):
+        us = null_chain_us(b, prompt, n, blocks, threads)
+        print(f"{n} empty PDL kernels, {blocks}x{threads}: {us:.1f} us per chain, {us / n:.2f} us per kernel",
+              flush=True)
+
+
 def time_step(backend, prompt, launches) -> float:
     backend.graph = backend.capture(launches)
     return graph_step_us(backend, prompt, STEPS)
@@ -52,31 +74,17 @@ def null_chain_us(backend, prompt, n_kernels, blocks, threads) -> float:
     return time_step(backend, prompt, launches)
 
 
-def run(shape: str) -> None:
+def run(shape: str, quant: str) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / f"{shape}.tinf"
-        write_random_model(path, tinf_config(SHAPES[shape]), "q4", 64, reuse_layers=True)
+        write_random_model(path, tinf_config(SHAPES[shape]), quant, 64, reuse_layers=True)
         with load(path, device="cuda") as model:
             b = model.backend
             prompt = bench_prompt(model, 16)
             tuning = b.tuning
-            print(f"{shape} q4 tuning {[(r, c.row_tiles, c.warps) for r, c in tuning.items()]}", flush=True)
-            for label, limit in (("grid as tuned", 64), ("gemv <= 1 block/SM", 1)):
-                gemv_k.resident_blocks = capped(limit)
-                step = b.build_step(tuning)
-                whole = time_step(b, prompt, step)
-                line = [f"{label}: step {whole:.1f} us ({1e6 / whole:.0f} tok/s)"]
-                for role in ("gemv wqkv", "attention", "gemv wo", "gemv w_gate_up", "gemv w_down"):
-                    rest = [x for x in step if not x.name.startswith(role)]
-                    line.append(f"without {role.split()[-1]} -{whole - time_step(b, prompt, rest):.1f}")
-                print("; ".join(line), flush=True)
-            gemv_k.resident_blocks = uncapped
-            n = len(b.step)
-            for blocks, threads in ((b.n_sms, 256), (2 * b.n_sms, 256), (4 * 32, 128)):
-                us = null_chain_us(b, prompt, n, blocks, threads)
-                print(f"{n} empty PDL kernels, {blocks}x{threads}: {us:.1f} us per chain, {us / n:.2f} us per kernel",
-                      flush=True)
-            source_variants(b, prompt, tuning)
+            print(f"{shape} {quant} tuning {[(r, c.row_tiles, c.warps) for r, c in tuning.items()]}", flush=True)
+            for part in PARTS:
+                part(b, prompt, tuning)
             b.graph = b.capture(b.step)
 
 
@@ -125,6 +133,31 @@ def source_variants(b, prompt, tuning) -> None:
     with_slices(b, base_slices)
 
 
+def tune_in_graph(b, prompt, tuning) -> None:
+    """Each role's GEMV configuration chosen by the whole step's graph time (one role at a time, the
+    others as tuned), against the load-time tuner's choice from kernels timed alone."""
+    best = dict(tuning)
+    base = time_step(b, prompt, b.build_step(best))
+    for role in best:
+        times = {}
+        for rt, warps in gemv_k.CANDIDATES:
+            config = gemv_k.GemvConfig(rt, warps)
+            times[config] = time_step(b, prompt, b.build_step({**best, role: config}))
+        best[role] = min(times, key=times.get)
+        print(f"  in-graph tuning {role}: " + ", ".join(f"R{c.row_tiles}w{c.warps} {t:.1f}" for c, t in times.items()),
+              flush=True)
+    final = time_step(b, prompt, b.build_step(best))
+    print(f"  in-graph tuning: {base:.1f} -> {final:.1f} us", flush=True)
+
+
+PARTS = [roles_and_grids, null_chains, source_variants, tune_in_graph]
+
 if __name__ == "__main__":
-    for shape in sys.argv[1:] or ["tinyllama", "llama2-7b"]:
-        run(shape)
+    # python3 tests/gpu_exp_chain.py [SHAPE[:QUANT] ...] [--only PART]   (PART: a function name in PARTS)
+    args = sys.argv[1:]
+    if "--only" in args:
+        only = args[args.index("--only") + 1]
+        PARTS = [p for p in PARTS if p.__name__ == only]
+        args = [a for a in args if a not in ("--only", only)]
+    for spec in args or ["tinyllama", "llama2-7b"]:
+        run(*(spec.split(":") + ["q4"])[:2])
