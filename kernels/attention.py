@@ -6,7 +6,7 @@ import numpy as np
 
 from tinyinfer.kernels.build import Launch, module
 
-TILE = 32             # n_slices: at full context a slice holds at least this many positions
+MIN_SLICE = 32        # global merge: at full context a slice holds at least this many positions
 MAX_HEAD_DIM = 256
 MAX_THREADS = 256     # ATT_THREADS in attention.cu: the most threads per block
 MERGE_HEADS = 8       # ATT_MERGE_HEADS
@@ -34,11 +34,11 @@ def threads_for(n_heads: int, n_kv_heads: int, head_dim: int, slices: int, n_sms
 
 def n_slices(n_kv_heads: int, max_context: int, n_sms: int, cluster: bool) -> int:
     """Grid width over the context: one cluster of CLUSTER_SIZE slices; else about two blocks per SM
-    at full context, at most one per tile."""
+    at full context, each of at least MIN_SLICE positions."""
     if cluster:
         return CLUSTER_SIZE
-    tiles = -(-max_context // TILE)
-    return max(1, min(tiles, -(-2 * n_sms // n_kv_heads)))
+    most = -(-max_context // MIN_SLICE)
+    return max(1, min(most, -(-2 * n_sms // n_kv_heads)))
 
 
 def check_shape(n_heads: int, n_kv_heads: int, head_dim: int, threads: int = MAX_THREADS) -> None:
