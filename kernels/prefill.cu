@@ -48,56 +48,50 @@ extern "C" __global__ void swiglu_rows(const float* __restrict__ gu, int ffn, si
     }
 }
 
-// q4 matrix (rows x kpad, nibble pairs, fp16 scale per G columns) -> fp16 rows x kpad.
-// One thread per 16 stored bytes = 32 columns of one row, all in one group (G is a multiple of 32).
-// Each weight is (nibble - 8) * scale computed in float32 and rounded once to fp16.
-extern "C" __global__ void dequant_q4(const unsigned char* __restrict__ w, const __half* __restrict__ scales,
-                           int rows, int kpad, int group, __half* __restrict__ out)
+// Column c (0 .. COLS-1) of the 16 stored bytes `words` of one row, as the integer the file
+// stores: q4 packs 32 columns as nibble pairs (low nibble first, stored as q + 8), q8 16 signed bytes.
+template <int COLS>
+__device__ __forceinline__ int stored_int(const u32 (&words)[4], int c) {
+    if (COLS == 32) return (int)((words[c >> 3] >> (4 * (c & 7))) & 0xF) - 8;
+    return (int)(signed char)(words[c >> 2] >> (8 * (c & 3)));
+}
+
+// A q4 (COLS = 32) or q8 (COLS = 16) matrix, rows x kpad with one fp16 scale per G columns -> fp16
+// rows x kpad. One thread per 16 stored bytes = COLS columns of one row, all in one group (G is a
+// multiple of COLS). Each weight is q * scale computed in float32 and rounded once to fp16.
+template <int COLS>
+__device__ __forceinline__ void dequant(const unsigned char* __restrict__ w, const __half* __restrict__ scales,
+                                        int rows, int kpad, int group, __half* __restrict__ out)
 {
-    const size_t per_row = (size_t)kpad / 32;
+    const size_t per_row = (size_t)kpad / COLS, row_bytes = per_row * 16;
     const size_t n = (size_t)rows * per_row;
     for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
-        const size_t r = i / per_row, col0 = (i % per_row) * 32;
+        const size_t r = i / per_row, piece = i % per_row, col0 = piece * COLS;
         const float s = __half2float(scales[r * (kpad / group) + col0 / group]);
-        const uint4 packed = *reinterpret_cast<const uint4*>(w + r * (size_t)(kpad / 2) + col0 / 2);
+        const uint4 packed = *reinterpret_cast<const uint4*>(w + r * row_bytes + piece * 16);
         const u32 words[4] = {packed.x, packed.y, packed.z, packed.w};
         uint4* dst = reinterpret_cast<uint4*>(out + r * (size_t)kpad + col0);
 #pragma unroll
-        for (int q = 0; q < 4; ++q) {          // 4 bytes = 8 columns per output uint4
-            const u32 b = words[q];
+        for (int q = 0; q < COLS / 8; ++q) {   // 8 columns per output uint4
             float v[8];
 #pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                v[2 * j] = (float)((int)((b >> (8 * j)) & 0xF) - 8) * s;
-                v[2 * j + 1] = (float)((int)((b >> (8 * j + 4)) & 0xF) - 8) * s;
-            }
+            for (int e = 0; e < 8; ++e) v[e] = (float)stored_int<COLS>(words, 8 * q + e) * s;
             dst[q] = make_uint4(pack_half2(v[0], v[1]), pack_half2(v[2], v[3]), pack_half2(v[4], v[5]),
                                 pack_half2(v[6], v[7]));
         }
     }
 }
 
-// q8 matrix (rows x kpad signed bytes, fp16 scale per G columns) -> fp16 rows x kpad.
-// One thread per 16 bytes = 16 columns (G is a multiple of 16).
-extern "C" __global__ void dequant_q8(const unsigned char* __restrict__ w, const __half* __restrict__ scales,
-                           int rows, int kpad, int group, __half* __restrict__ out)
+extern "C" __global__ void dequant_q4(const unsigned char* __restrict__ w, const __half* __restrict__ scales,
+                                      int rows, int kpad, int group, __half* __restrict__ out)
 {
-    const size_t per_row = (size_t)kpad / 16;
-    const size_t n = (size_t)rows * per_row;
-    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
-        const size_t r = i / per_row, col0 = (i % per_row) * 16;
-        const float s = __half2float(scales[r * (kpad / group) + col0 / group]);
-        const uint4 packed = *reinterpret_cast<const uint4*>(w + r * (size_t)kpad + col0);
-        const u32 words[4] = {packed.x, packed.y, packed.z, packed.w};
-        uint2* dst = reinterpret_cast<uint2*>(out + r * (size_t)kpad + col0);
-#pragma unroll
-        for (int q = 0; q < 4; ++q) {          // 4 bytes = 4 columns per output uint2
-            const u32 b = words[q];
-            const float v0 = (float)(signed char)(b & 0xFF) * s, v1 = (float)(signed char)((b >> 8) & 0xFF) * s;
-            const float v2 = (float)(signed char)((b >> 16) & 0xFF) * s, v3 = (float)(signed char)(b >> 24) * s;
-            dst[q] = make_uint2(pack_half2(v0, v1), pack_half2(v2, v3));
-        }
-    }
+    dequant<32>(w, scales, rows, kpad, group, out);
+}
+
+extern "C" __global__ void dequant_q8(const unsigned char* __restrict__ w, const __half* __restrict__ scales,
+                                      int rows, int kpad, int group, __half* __restrict__ out)
+{
+    dequant<16>(w, scales, rows, kpad, group, out);
 }
 
 // RoPE (rotate-half, tables [ctx][hd/2]) for the chunk's q and k, the cache append of k and v,
