@@ -8,6 +8,7 @@ matrix); a GemvConfig is the tunable part (row tiles of 16 per block, warps per 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import numpy as np
 
@@ -96,11 +97,21 @@ def compile_gemvs(items, compute_capability: int):
     return module("gemv.cu", expressions, compute_capability), expressions
 
 
+@lru_cache(maxsize=None)
+def device_limits(device_id: int) -> dict:
+    """The SM limits of a GPU (getDeviceProperties takes ~1 ms; tuning builds hundreds of launches)."""
+    import cupy
+
+    props = cupy.cuda.runtime.getDeviceProperties(device_id)
+    keys = ("regsPerMultiprocessor", "sharedMemPerMultiprocessor", "maxThreadsPerMultiProcessor", "multiProcessorCount")
+    return {key: props[key] for key in keys}
+
+
 def resident_blocks(kernel, threads: int, shared: int) -> int:
     """Blocks of this kernel that fit on one SM at once (registers, shared memory, threads)."""
     import cupy
 
-    props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
+    props = device_limits(cupy.cuda.Device().id)
     regs_per_warp = -(-max(kernel.num_regs, 1) * 32 // 256) * 256            # allocated in units of 256
     by_regs = props["regsPerMultiprocessor"] // (regs_per_warp * (threads // 32))
     by_smem = props["sharedMemPerMultiprocessor"] // (shared + 1024)            # 1 KiB reserved per block

@@ -73,6 +73,7 @@ print(f"{r['config']['dim']}x{r['config']['n_layers']} {r['encodings']['wqkv']}:
       f"(graph {r['graph_tok_s']:.0f}), {r['achieved_gbs']:.0f} GB/s = {r['pct_of_read_bandwidth']:.1f}% of "
       f"{r['read_bandwidth_gbs']:.0f}, kernels {r['kernel_sum_us']:.0f} us + gaps {r['gap_us']:.0f} us, "
       f"load {r['load']['load_s']:.2f} s, second load {r['second_load']['load_s']:.2f} s")
+print("  first load: " + ", ".join(f"{k} {v:.2f}" for k, v in r["load"].items() if isinstance(v, float)))
 p = r.get("prefill", {})
 print(f"  prefill: pp512 {p.get('pp512', 0):.0f} tok/s, pp2048 {p.get('pp2048', 0):.0f} tok/s, "
       f"first token after 512 prompt tokens {p.get('ttft512_ms', 0):.1f} ms")

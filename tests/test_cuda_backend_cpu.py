@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 
 import numpy as np
 import pytest
@@ -217,3 +218,20 @@ def test_early_launch_marshals_arguments_like_cuda_h():
     assert values == [0xDEAD0000, -7, 1.5, 2**40]
     with pytest.raises(TypeError):
         pdl.EarlyLaunch(SimpleNamespace(**{**vars(launch), "args": (7,)}))   # a Python int: size unknown
+
+
+def test_upload_reads_the_file_bytes_at_an_offset(tmp_path):
+    from tinyinfer.runtime.weights_upload import read_exactly
+
+    data = np.random.default_rng(0).integers(0, 256, 100_003, dtype=np.uint8)
+    path = tmp_path / "blob"
+    path.write_bytes(data.tobytes())
+    buffer = np.zeros(70_001, dtype=np.uint8)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        read_exactly(fd, buffer, 12_345)
+        assert np.array_equal(buffer, data[12_345: 12_345 + 70_001])
+        with pytest.raises(OSError, match="truncated"):
+            read_exactly(fd, buffer, 40_000)          # only 60,003 bytes are left there
+    finally:
+        os.close(fd)
