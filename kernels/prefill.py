@@ -205,11 +205,26 @@ def causal_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, po
     return out.reshape(n_tokens, n_heads * head_dim)
 
 
-def decisive_positions(logits: np.ndarray, margin: float = 5e-3) -> np.ndarray:
-    """Boolean mask of the positions whose top two logits differ by more than `margin` times the
-    row's rms. Elsewhere the argmax is a near tie that fp16 rounding may legitimately flip (with
-    random weights and a 32000-word vocabulary that is ~2% of positions); at a margin of 5e-3 rms a
-    flip needs an error ~10x the size of the prefill path's typical one, so it points to a bug."""
+NEAR_TIE = 5e-3   # top-two logit gap, in units of the logits' rms, below which fp16 rounding may pick either
+
+
+def logit_rms(logits: np.ndarray) -> np.ndarray:
+    return np.sqrt(np.mean(np.square(logits, dtype=np.float64), axis=-1))
+
+
+def near_ties(logits: np.ndarray) -> np.ndarray:
+    """Boolean mask of the positions whose top two logits are within NEAR_TIE of each other. With
+    random weights and a 32000-word vocabulary that is ~2% of positions; fp16 rounding flips some of
+    them (measured: even an exact computation over the fp16 KV cache flips one of 2048 positions of
+    a 7B-shaped q8 model against the float32 reference), while NEAR_TIE is ~10x the prefill path's
+    typical logit error."""
     top2 = np.sort(np.partition(logits, -2, axis=-1)[..., -2:], axis=-1)
-    rms = np.sqrt(np.mean(np.square(logits, dtype=np.float64), axis=-1))
-    return (top2[..., 1] - top2[..., 0]) > margin * rms
+    return (top2[..., 1] - top2[..., 0]) <= NEAR_TIE * logit_rms(logits)
+
+
+def argmax_shortfall(reference: np.ndarray, picked: np.ndarray) -> np.ndarray:
+    """Per position, how far below its best logit the reference scores the token `picked` there, in
+    units of the reference logits' rms: 0 where the pick is the reference's argmax, at most NEAR_TIE
+    where it is the other side of a near tie, more for a wrong token."""
+    chosen = np.take_along_axis(reference, np.asarray(picked)[..., None], axis=-1)[..., 0]
+    return (reference.max(axis=-1) - chosen) / logit_rms(reference)

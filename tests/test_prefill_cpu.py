@@ -29,10 +29,9 @@ def relative_errors(ours, theirs) -> np.ndarray:
 
 
 def check_argmax(ours, theirs) -> None:
-    """Same argmax at every decisive position (see prefill_k.decisive_positions); near ties are rare."""
-    decisive = prefill_k.decisive_positions(theirs)
-    assert decisive.mean() >= 0.9, "too many near ties for the argmax check to mean anything"
-    assert np.array_equal(ours.argmax(-1)[decisive], theirs.argmax(-1)[decisive])
+    """At every position our argmax is the reference's, or the other side of a near tie (prefill_k.near_ties)."""
+    assert prefill_k.near_ties(theirs).mean() <= 0.1, "too many near ties for the argmax check to mean anything"
+    assert (prefill_k.argmax_shortfall(theirs, ours.argmax(-1)) <= prefill_k.NEAR_TIE).all()
 
 
 # ------------------------------------------------------------------------------------- chunking
@@ -301,3 +300,16 @@ def test_prefill_report_lines():
     assert "pp512 74424 tok/s (6.9 ms), pp2048 135792 tok/s (15.1 ms)" in text
     assert "2048-token prompt 16.1 ms" in text and "16: 7.23 vs 12.11 ms" in text
     assert "not available" in cuda_prefill.format_prefill({"available": False})
+
+
+def test_argmax_shortfall_tells_near_ties_from_wrong_tokens():
+    rng = np.random.default_rng(3)
+    logits = rng.standard_normal((4, 1000)).astype(np.float32)
+    rms = prefill_k.logit_rms(logits)
+    best, second = logits.argmax(-1), np.argsort(logits, -1)[:, -2]
+    logits[0, second[0]] = logits[0, best[0]] - 1e-3 * rms[0]       # a near tie at position 0 only
+    ties = prefill_k.near_ties(logits)
+    assert ties.tolist() == [True, False, False, False]
+    assert (prefill_k.argmax_shortfall(logits, best) == 0).all()
+    shortfall = prefill_k.argmax_shortfall(logits, second)
+    assert shortfall[0] <= prefill_k.NEAR_TIE and (shortfall[1:] > prefill_k.NEAR_TIE).all()

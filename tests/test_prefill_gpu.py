@@ -5,8 +5,9 @@ a 2048-position context. One 2048-token sequence per model is run once through t
 (its attention computed with matrix products: prefill_k.causal_attention, checked against
 reference.attention in test_prefill_cpu.py) and once through the decode graph; causality makes the
 first L rows of those the answers for every prompt length L. Logits: ||ours - ref|| / ||ref|| <= 2e-3
-at every position, and the same argmax at every position that is not a near tie
-(prefill_k.decisive_positions). KV cache after prefill: the same bound against the decode graph's.
+at every position, and at every position our argmax is the reference's or the other side of a near
+tie (top two within 0.5% of the logits' rms: prefill_k.near_ties). KV cache after prefill: the same
+bound against the decode graph's.
 """
 
 from __future__ import annotations
@@ -37,15 +38,17 @@ def relative_errors(ours, theirs) -> np.ndarray:
 
 def assert_close(ours, theirs, what: str) -> None:
     errors = relative_errors(ours, theirs)
-    decisive = prefill_k.decisive_positions(theirs)
-    flips = np.nonzero((ours.argmax(-1) != theirs.argmax(-1)) & decisive)[0]
-    print(f"{what}: max relative error {errors.max():.2e} (mean {errors.mean():.2e}), "
-          f"{(~decisive).sum()} near ties of {len(decisive)}")
+    ties = prefill_k.near_ties(theirs)
+    shortfall = prefill_k.argmax_shortfall(theirs, ours.argmax(-1))
+    flips = np.nonzero(shortfall > 0)[0]
+    print(f"{what}: max relative error {errors.max():.2e} (mean {errors.mean():.2e}), {ties.sum()} near ties of "
+          f"{len(ties)}, argmax flips at {len(flips)} (shortfall {np.round(shortfall[flips] * 1e3, 3)} x 1e-3 rms)")
     assert np.isfinite(ours).all(), f"{what}: non-finite values"
     assert errors.max() <= MAX_ERROR, f"{what}: relative error {errors.max():.2e} at position {errors.argmax()}"
-    if len(decisive) >= 64:
-        assert decisive.mean() >= 0.9, f"{what}: too many near ties for the argmax check"
-    assert flips.size == 0, f"{what}: argmax differs at positions {flips[:10]}"
+    if len(ties) >= 64:
+        assert ties.mean() <= 0.1, f"{what}: too many near ties for the argmax check"
+    wrong = np.nonzero(shortfall > prefill_k.NEAR_TIE)[0]
+    assert wrong.size == 0, f"{what}: argmax differs beyond a near tie at positions {wrong[:10]}"
 
 
 def fast_reference(path, ids) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -146,8 +149,8 @@ def test_prefill_continues_a_cached_conversation(case):
 
 
 def test_generation_after_a_long_prompt_matches_the_reference(case):
-    """generate_ids prefills a long prompt, then decodes: each greedy token is the reference's argmax
-    (teacher-forced on the tokens produced, so one near tie cannot derail the rest)."""
+    """generate_ids prefills a long prompt, then decodes: each greedy token is the reference's argmax or
+    the other side of a near tie (teacher-forced on the tokens produced, so one tie cannot derail the rest)."""
     if not case["name"].endswith("q4"):
         pytest.skip("one encoding is enough for the generate path")
     backend, ids = case["backend"], case["ids"][:100]
@@ -156,5 +159,4 @@ def test_generation_after_a_long_prompt_matches_the_reference(case):
     assert getattr(backend, "_prefill", None) is not None, "the prompt did not go through the prefill path"
     reference = NumpyBackend(open_tinf(case["model"].tinf.path), max_context=CONTEXT)
     logits = reference.forward(np.concatenate([ids, gpu[:-1]]), 0)[ids.size - 1:]
-    decisive = prefill_k.decisive_positions(logits)
-    assert np.array_equal(np.asarray(gpu)[decisive], logits.argmax(-1)[decisive])
+    assert (prefill_k.argmax_shortfall(logits, np.asarray(gpu)) <= prefill_k.NEAR_TIE).all()
