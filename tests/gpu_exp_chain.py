@@ -6,8 +6,10 @@ For a random-weight model (q4 unless SHAPE:QUANT says otherwise) it replays vari
 the whole step, the step without each kernel role (the difference is that role's share of the
 critical path), the GEMV grids capped at one block per SM (leaving room on every SM for the next
 kernel's blocks to start their weight loads early), a chain of as many empty PDL kernels (the
-floor of one graph node after another), and attention variants (a stage left out, the slice
-granule, threads per block, cluster or global merge)."""
+floor of one graph node after another), attention variants (a stage left out, the slice
+granule, threads per block, cluster or global merge) and GEMV variants (every GEMV returning right
+after its PDL wait or after staging its input, or staging without reading x: upper bounds of what
+each stage costs, with wrong results)."""
 import sys
 import tempfile
 from pathlib import Path
@@ -133,6 +135,31 @@ def source_variants(b, prompt, tuning) -> None:
     with_slices(b, base_slices)
 
 
+GEMV_VARIANTS = [   # (label, [(old, new, count), ...]) edits of gemv.cu
+    ("gemv returns after pdl_wait", [("    pdl_wait();\n    stage_input", "    pdl_wait();\n    return;\n    stage_input", 1)]),
+    ("gemv returns after staging x", [("    stage_input<WT, IN>(xs, xs_lo, corr, x, aux, K, nchunks * CW, eps, red);\n    __syncthreads();\n",
+                                       "    stage_input<WT, IN>(xs, xs_lo, corr, x, aux, K, nchunks * CW, eps, red);\n    __syncthreads();\n    return;\n", 1)]),
+    ("gemv stages zeros (no x reads)", [("load8(x + 8 * b, v);", "for (int i = 0; i < 8; ++i) v[i] = 0.f;", 2)]),
+]
+
+
+def gemv_variants(b, prompt, tuning) -> None:
+    base = b.gemv_module
+    items = [(shape, rt) for shape in b.shapes.values() for rt, _ in gemv_k.CANDIDATES]
+    expressions = sorted({gemv_k.name_expression(shape, rt) for shape, rt in items})
+    whole = time_step(b, prompt, b.build_step(tuning))
+    print(f"  base step {whole:.1f} us", flush=True)
+    for label, edits in GEMV_VARIANTS:
+        src = expanded_source("gemv.cu")
+        for old, new, count in edits:
+            assert src.count(old) == count, f"gemv.cu changed: update the variant ({old[:40]}...)"
+            src = src.replace(old, new)
+        b.gemv_module = cp.RawModule(code=src, options=compile_options(b.compute_capability),
+                                     name_expressions=expressions)
+        print(f"  {label}: {time_step(b, prompt, b.build_step(tuning)) - whole:+.1f} us", flush=True)
+    b.gemv_module = base
+
+
 def tune_in_graph(b, prompt, tuning) -> None:
     """Each role's GEMV configuration chosen by the whole step's graph time (one role at a time, the
     others as tuned), against the load-time tuner's choice from kernels timed alone."""
@@ -150,7 +177,7 @@ def tune_in_graph(b, prompt, tuning) -> None:
     print(f"  in-graph tuning: {base:.1f} -> {final:.1f} us", flush=True)
 
 
-PARTS = [roles_and_grids, null_chains, source_variants, tune_in_graph]
+PARTS = [roles_and_grids, null_chains, source_variants, gemv_variants, tune_in_graph]
 
 if __name__ == "__main__":
     # python3 tests/gpu_exp_chain.py [SHAPE[:QUANT] ...] [--only PART]   (PART: a function name in PARTS)
