@@ -63,23 +63,6 @@ TI_DEVICE int ceil_div(int a, int b) {
 
 // ------------------------------------------------------------------------------- staging rows
 
-// 16-byte global -> shared copy that holds no registers until it lands (cp.async, sm_80+; Turing
-// copies through registers).
-TI_DEVICE void copy16_async(void* dst_shared, const void* src) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-    const u32 dst = (u32)__cvta_generic_to_shared(dst_shared);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src) : "memory");
-#else
-    *reinterpret_cast<uint4*>(dst_shared) = *reinterpret_cast<const uint4*>(src);
-#endif
-}
-
-TI_DEVICE void copies_landed() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-    asm volatile("cp.async.wait_all;\n" ::: "memory");
-#endif
-}
-
 // Start copying cache rows [r0, r1) of KV head kvh into k_s/v_s (row r0 at index 0, `stride` halves
 // per row). Row `pos` is skipped: this launch writes it (stage_new_row).
 TI_DEVICE void stage_rows(__half* k_s, __half* v_s, int stride, const __half* k_cache, const __half* v_cache,

@@ -93,6 +93,49 @@ TI_DEVICE uint4 load_stream(const void* p) {
     return v;
 }
 
+// 16-byte global -> shared copy that holds no registers until it lands (cp.async, sm_80+; Turing
+// copies through registers).
+TI_DEVICE void copy16_async(void* dst_shared, const void* src) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    const u32 dst = (u32)__cvta_generic_to_shared(dst_shared);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src) : "memory");
+#else
+    *reinterpret_cast<uint4*>(dst_shared) = *reinterpret_cast<const uint4*>(src);
+#endif
+}
+
+TI_DEVICE void copies_landed() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.wait_all;\n" ::: "memory");
+#endif
+}
+
+// cp.async groups: close the copies issued so far into a group; wait until at most N groups are
+// still in flight (no-ops on Turing, whose copies are synchronous).
+TI_DEVICE void copies_commit() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+#endif
+}
+
+template <int N>
+TI_DEVICE void copies_landed_but() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+#endif
+}
+
+// Four 8x8 fp16 matrices from shared memory, transposed (sm_75+): lane L gives the address of row
+// L % 8 of matrix L / 8 (16 contiguous bytes) and receives in register m the pair (rows 2 (L % 4)
+// and 2 (L % 4) + 1, column L / 4) of matrix m: the B fragment of mma.m16n8k16 when the matrix rows
+// are its k index.
+TI_DEVICE void ldmatrix_x4_trans(u32& r0, u32& r1, u32& r2, u32& r3, const __half* row) {
+    const u32 address = (u32)__cvta_generic_to_shared(row);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+                 : "r"(address));
+}
+
 // Embedding tables are read as stored: f32 (0), f16 (1) or bf16 (2).
 #define EMB_F32 0
 #define EMB_F16 1

@@ -128,11 +128,13 @@ extern "C" __global__ void __launch_bounds__(256) rope_store(
 // Causal attention of a chunk's queries against the KV cache, FlashAttention-2 style.
 //
 // Block (query tile, head): 4 warps x 16 query rows. The block walks the key positions
-// 0 .. start + (its last query) in tiles of 64: K and V tiles are staged in shared memory (V
-// transposed, so both mma B operands are 32-bit loads), S = Q K^T and O += P V run on the tensor
-// cores (mma m16n8k16, fp32 accumulation; two k8 halves on Turing), and each row keeps a running
-// max and sum (base 2: q is pre-scaled by log2(e)/sqrt(hd)). P is rounded to fp16 for its mma.
-// Query tiles are visited last-first so the longest blocks start first.
+// 0 .. start + (its last query) in tiles of 64: K and V tiles are copied row-major into shared
+// memory with cp.async, the next tile's copies in flight while the current one is used (two
+// buffers, dynamic shared memory: attention_shared_bytes in prefill.py). S = Q K^T and O += P V run
+// on the tensor cores (mma m16n8k16, fp32 accumulation; two k8 halves on Turing): K's B fragments
+// are 32-bit loads, V's come from ldmatrix.trans. Each row keeps a running max and sum (base 2: q is
+// pre-scaled by log2(e)/sqrt(hd)). P is rounded to fp16 for its mma. Query tiles are visited
+// last-first so the longest blocks start first.
 //
 // Fragment layout (lane = 4 g + t): A rows g / g+8, columns 2t,2t+1 (+8); B column g, rows
 // 2t,2t+1 (+8); C rows g / g+8, columns 2t, 2t+1.
@@ -152,10 +154,10 @@ __global__ void __launch_bounds__(FA_WARPS * 32) attention_prefill(
     constexpr int KSTEPS = HD / 16;       // mma k-steps over the head dimension (S = Q K^T)
     constexpr int DTILES = HD / 8;        // 8-wide output column tiles (O = P V)
     constexpr int NTILES = FA_BK / 8;     // 8-wide key tiles of S
-    constexpr int KS = HD + 8;            // padded smem row strides (halves): conflict-free 32-bit reads
-    constexpr int VS = FA_BK + 8;
-    __shared__ __align__(16) __half k_s[FA_BK * KS];   // [key][dim]
-    __shared__ __align__(16) __half vt_s[HD * VS];     // [dim][key]
+    constexpr int KS = HD + 8;            // padded smem row stride (halves): conflict-free loads and ldmatrix
+    extern __shared__ __align__(16) unsigned char fa_smem[];
+    __half* k_s = reinterpret_cast<__half*>(fa_smem);  // [2][FA_BK][KS]: [buffer][key][dim]
+    __half* v_s = k_s + 2 * FA_BK * KS;                // [2][FA_BK][KS]
 
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t4 = lane & 3;
@@ -189,102 +191,118 @@ __global__ void __launch_bounds__(FA_WARPS * 32) attention_prefill(
 
     const __half* k_head = k_cache + (size_t)kvh * HD;
     const __half* v_head = v_cache + (size_t)kvh * HD;
-    for (int k0 = 0; k0 < key_end; k0 += FA_BK) {
-        __syncthreads();                                  // the previous tile has been consumed
-        // K tile row-major; keys past key_end are zero (finite, and masked below anyway).
+    // Copy key tile `tile` into buffer `buf`; keys past key_end are zero (finite, and masked below).
+    auto load_tile = [&](int tile, int buf) {
+        const int k0 = tile * FA_BK;
         for (int i = threadIdx.x; i < FA_BK * HD / 8; i += blockDim.x) {
             const int r = i / (HD / 8), c = (i % (HD / 8)) * 8;
-            uint4 v = make_uint4(0u, 0u, 0u, 0u);
-            if (k0 + r < key_end) v = *reinterpret_cast<const uint4*>(k_head + (size_t)(k0 + r) * cache_stride + c);
-            *reinterpret_cast<uint4*>(k_s + r * KS + c) = v;
+            __half* kd = k_s + (buf * FA_BK + r) * KS + c;
+            __half* vd = v_s + (buf * FA_BK + r) * KS + c;
+            if (k0 + r < key_end) {
+                copy16_async(kd, k_head + (size_t)(k0 + r) * cache_stride + c);
+                copy16_async(vd, v_head + (size_t)(k0 + r) * cache_stride + c);
+            } else {
+                *reinterpret_cast<uint4*>(kd) = make_uint4(0u, 0u, 0u, 0u);
+                *reinterpret_cast<uint4*>(vd) = make_uint4(0u, 0u, 0u, 0u);
+            }
         }
-        // V tile transposed: consecutive threads take consecutive keys of one 8-column slice.
-        for (int i = threadIdx.x; i < FA_BK * HD / 8; i += blockDim.x) {
-            const int r = i % FA_BK, c = (i / FA_BK) * 8;
-            uint4 v = make_uint4(0u, 0u, 0u, 0u);
-            if (k0 + r < key_end) v = *reinterpret_cast<const uint4*>(v_head + (size_t)(k0 + r) * cache_stride + c);
-            const __half* h = reinterpret_cast<const __half*>(&v);
-#pragma unroll
-            for (int e = 0; e < 8; ++e) vt_s[(c + e) * VS + r] = h[e];
+        copies_commit();
+    };
+    const int n_tiles = (key_end + FA_BK - 1) / FA_BK;
+    load_tile(0, 0);
+    for (int tile = 0; tile < n_tiles; ++tile) {
+        const int k0 = tile * FA_BK, buf = tile & 1;
+        if (tile + 1 < n_tiles) {
+            load_tile(tile + 1, buf ^ 1);     // that buffer's last reader finished before the barrier below
+            copies_landed_but<1>();
+        } else {
+            copies_landed_but<0>();
         }
         __syncthreads();
-        if (k0 > start + row0 + 15) continue;             // every key is after every row of this warp
-
-        // S = Q K^T for 16 rows x 64 keys.
-        float s[NTILES][4];
-#pragma unroll
-        for (int j = 0; j < NTILES; ++j) {
-            s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
-            const __half* kr = k_s + (j * 8 + g) * KS + 2 * t4;
-#pragma unroll
-            for (int kk = 0; kk < KSTEPS; ++kk) {
-                const u32 b0 = *reinterpret_cast<const u32*>(kr + kk * 16);
-                const u32 b1 = *reinterpret_cast<const u32*>(kr + kk * 16 + 8);
-                mma_16816(s[j], qa[kk][0], qa[kk][1], qa[kk][2], qa[kk][3], b0, b1);
-            }
-        }
-        // Causal mask where the tile reaches past the warp's first row.
-        if (k0 + FA_BK - 1 > start + row0) {
+        const __half* kb = k_s + buf * FA_BK * KS;
+        const __half* vb = v_s + buf * FA_BK * KS;
+        if (k0 <= start + row0 + 15) {                    // else every key is after every row of this warp
+            // S = Q K^T for 16 rows x 64 keys.
+            float s[NTILES][4];
 #pragma unroll
             for (int j = 0; j < NTILES; ++j) {
-                const int key = k0 + j * 8 + 2 * t4;
-                if (key > pos_lo) s[j][0] = -TI_INF;
-                if (key + 1 > pos_lo) s[j][1] = -TI_INF;
-                if (key > pos_hi) s[j][2] = -TI_INF;
-                if (key + 1 > pos_hi) s[j][3] = -TI_INF;
+                s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
+                const __half* kr = kb + (j * 8 + g) * KS + 2 * t4;
+#pragma unroll
+                for (int kk = 0; kk < KSTEPS; ++kk) {
+                    const u32 b0 = *reinterpret_cast<const u32*>(kr + kk * 16);
+                    const u32 b1 = *reinterpret_cast<const u32*>(kr + kk * 16 + 8);
+                    mma_16816(s[j], qa[kk][0], qa[kk][1], qa[kk][2], qa[kk][3], b0, b1);
+                }
             }
-        }
-        // Online softmax: the four lanes t4 = 0..3 of a row hold its 64 scores between them.
-        float mx_lo = -TI_INF, mx_hi = -TI_INF;
+            // Causal mask where the tile reaches past the warp's first row.
+            if (k0 + FA_BK - 1 > start + row0) {
 #pragma unroll
-        for (int j = 0; j < NTILES; ++j) {
-            mx_lo = fmaxf(mx_lo, fmaxf(s[j][0], s[j][1]));
-            mx_hi = fmaxf(mx_hi, fmaxf(s[j][2], s[j][3]));
-        }
-        mx_lo = fmaxf(mx_lo, __shfl_xor_sync(0xffffffffu, mx_lo, 1));
-        mx_lo = fmaxf(mx_lo, __shfl_xor_sync(0xffffffffu, mx_lo, 2));
-        mx_hi = fmaxf(mx_hi, __shfl_xor_sync(0xffffffffu, mx_hi, 1));
-        mx_hi = fmaxf(mx_hi, __shfl_xor_sync(0xffffffffu, mx_hi, 2));
-        const float new_lo = fmaxf(m_lo, mx_lo), new_hi = fmaxf(m_hi, mx_hi);
-        const float base_lo = new_lo == -TI_INF ? 0.f : new_lo;   // a row with no key yet stays at zero
-        const float base_hi = new_hi == -TI_INF ? 0.f : new_hi;
-        const float corr_lo = exp2f(m_lo - base_lo), corr_hi = exp2f(m_hi - base_hi);
-        m_lo = new_lo;
-        m_hi = new_hi;
-        float sum_lo = 0.f, sum_hi = 0.f;
+                for (int j = 0; j < NTILES; ++j) {
+                    const int key = k0 + j * 8 + 2 * t4;
+                    if (key > pos_lo) s[j][0] = -TI_INF;
+                    if (key + 1 > pos_lo) s[j][1] = -TI_INF;
+                    if (key > pos_hi) s[j][2] = -TI_INF;
+                    if (key + 1 > pos_hi) s[j][3] = -TI_INF;
+                }
+            }
+            // Online softmax: the four lanes t4 = 0..3 of a row hold its 64 scores between them.
+            float mx_lo = -TI_INF, mx_hi = -TI_INF;
 #pragma unroll
-        for (int j = 0; j < NTILES; ++j) {
-            s[j][0] = exp2f(s[j][0] - base_lo);
-            s[j][1] = exp2f(s[j][1] - base_lo);
-            s[j][2] = exp2f(s[j][2] - base_hi);
-            s[j][3] = exp2f(s[j][3] - base_hi);
-            sum_lo += s[j][0] + s[j][1];
-            sum_hi += s[j][2] + s[j][3];
-        }
-        l_lo = l_lo * corr_lo + sum_lo;                   // per-lane partial sums, reduced at the end
-        l_hi = l_hi * corr_hi + sum_hi;
+            for (int j = 0; j < NTILES; ++j) {
+                mx_lo = fmaxf(mx_lo, fmaxf(s[j][0], s[j][1]));
+                mx_hi = fmaxf(mx_hi, fmaxf(s[j][2], s[j][3]));
+            }
+            mx_lo = fmaxf(mx_lo, __shfl_xor_sync(0xffffffffu, mx_lo, 1));
+            mx_lo = fmaxf(mx_lo, __shfl_xor_sync(0xffffffffu, mx_lo, 2));
+            mx_hi = fmaxf(mx_hi, __shfl_xor_sync(0xffffffffu, mx_hi, 1));
+            mx_hi = fmaxf(mx_hi, __shfl_xor_sync(0xffffffffu, mx_hi, 2));
+            const float new_lo = fmaxf(m_lo, mx_lo), new_hi = fmaxf(m_hi, mx_hi);
+            const float base_lo = new_lo == -TI_INF ? 0.f : new_lo;   // a row with no key yet stays at zero
+            const float base_hi = new_hi == -TI_INF ? 0.f : new_hi;
+            const float corr_lo = exp2f(m_lo - base_lo), corr_hi = exp2f(m_hi - base_hi);
+            m_lo = new_lo;
+            m_hi = new_hi;
+            float sum_lo = 0.f, sum_hi = 0.f;
 #pragma unroll
-        for (int j = 0; j < DTILES; ++j) {
-            o[j][0] *= corr_lo;
-            o[j][1] *= corr_lo;
-            o[j][2] *= corr_hi;
-            o[j][3] *= corr_hi;
-        }
-        // O += P V: P's C-fragments of key tiles 2kk, 2kk+1 are exactly the A-fragment of k-step kk.
-#pragma unroll
-        for (int kk = 0; kk < FA_BK / 16; ++kk) {
-            const u32 a0 = pack_half2(s[2 * kk][0], s[2 * kk][1]);
-            const u32 a1 = pack_half2(s[2 * kk][2], s[2 * kk][3]);
-            const u32 a2 = pack_half2(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-            const u32 a3 = pack_half2(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+            for (int j = 0; j < NTILES; ++j) {
+                s[j][0] = exp2f(s[j][0] - base_lo);
+                s[j][1] = exp2f(s[j][1] - base_lo);
+                s[j][2] = exp2f(s[j][2] - base_hi);
+                s[j][3] = exp2f(s[j][3] - base_hi);
+                sum_lo += s[j][0] + s[j][1];
+                sum_hi += s[j][2] + s[j][3];
+            }
+            l_lo = l_lo * corr_lo + sum_lo;                   // per-lane partial sums, reduced at the end
+            l_hi = l_hi * corr_hi + sum_hi;
 #pragma unroll
             for (int j = 0; j < DTILES; ++j) {
-                const __half* vr = vt_s + (j * 8 + g) * VS + kk * 16 + 2 * t4;
-                const u32 b0 = *reinterpret_cast<const u32*>(vr);
-                const u32 b1 = *reinterpret_cast<const u32*>(vr + 8);
-                mma_16816(o[j], a0, a1, a2, a3, b0, b1);
+                o[j][0] *= corr_lo;
+                o[j][1] *= corr_lo;
+                o[j][2] *= corr_hi;
+                o[j][3] *= corr_hi;
+            }
+            // O += P V: P's C-fragments of key tiles 2kk, 2kk+1 are exactly the A-fragment of k-step kk.
+#pragma unroll
+            for (int kk = 0; kk < FA_BK / 16; ++kk) {
+                const u32 a0 = pack_half2(s[2 * kk][0], s[2 * kk][1]);
+                const u32 a1 = pack_half2(s[2 * kk][2], s[2 * kk][3]);
+                const u32 a2 = pack_half2(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+                const u32 a3 = pack_half2(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+                // ldmatrix.trans: lane L points at key kk*16 + 8 (m & 1) + L % 8 (m = L / 8) of dim tile
+                // j + (m >> 1), so registers 0/1 are dim tile j's B fragment and 2/3 tile j+1's.
+                const int m = lane >> 3;
+                const __half* vrow = vb + (kk * 16 + (m & 1) * 8 + (lane & 7)) * KS + (m >> 1) * 8;
+#pragma unroll
+                for (int j = 0; j < DTILES; j += 2) {
+                    u32 b0, b1, b2, b3;
+                    ldmatrix_x4_trans(b0, b1, b2, b3, vrow + j * 8);
+                    mma_16816(o[j], a0, a1, a2, a3, b0, b1);
+                    mma_16816(o[j + 1], a0, a1, a2, a3, b2, b3);
+                }
             }
         }
+        __syncthreads();                                  // buffer buf is refilled two tiles on
     }
 
     l_lo += __shfl_xor_sync(0xffffffffu, l_lo, 1);

@@ -83,12 +83,21 @@ def rope_store(mod, qkv, n_tokens: int, start: int, n_heads: int, n_kv: int, hea
         rope_cos, rope_sin, q_scale, q_out, k_cache, v_cache))
 
 
+def attention_shared_bytes(head_dim: int) -> int:
+    """Two buffers of a K and a V tile, rows padded by 8 halves (attention_prefill's dynamic shared memory)."""
+    return 2 * 2 * TILE_K * (head_dim + 8) * 2
+
+
 def attention(mod, q, k_cache, v_cache, n_tokens: int, start: int, n_heads: int, n_kv: int, head_dim: int,
               out) -> None:
     """out [T, n_heads * hd] fp16: causal attention of the chunk's queries over cache positions < start + T."""
     grid = (-(-n_tokens // TILE_Q), n_heads)
-    mod.get_function(attention_name(head_dim))(grid, (ATTENTION_THREADS,), (
-        q, k_cache, v_cache, np.int32(n_tokens), np.int32(start), np.int32(n_heads), np.int32(n_kv), out))
+    kernel = mod.get_function(attention_name(head_dim))
+    shared = attention_shared_bytes(head_dim)
+    if shared > 48 * 1024 and kernel.max_dynamic_shared_size_bytes < shared:
+        kernel.max_dynamic_shared_size_bytes = shared
+    kernel(grid, (ATTENTION_THREADS,), (q, k_cache, v_cache, np.int32(n_tokens), np.int32(start), np.int32(n_heads),
+                                        np.int32(n_kv), out), shared_mem=shared)
 
 
 def gemm(weight_ptr: int, n_out: int, k: int, ld_weight: int, x_ptr: int, n_tokens: int, ld_x: int, y_ptr: int,
