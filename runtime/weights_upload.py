@@ -40,11 +40,12 @@ def upload_weights(tinf, stream, progress: bool | None = None):
     chunks = [(start, min(CHUNK_BYTES, total - start)) for start in range(0, total, CHUNK_BYTES)]
     bar = progress_bar(total, progress)
 
+    fd = os.open(tinf.path, os.O_RDONLY)
+
     def fill(job):
         buffer, (start, n) = job
         read_exactly(fd, buffer[:n], tinf.data_offset + start)
 
-    fd = os.open(tinf.path, os.O_RDONLY)
     try:
         with ThreadPoolExecutor(BUFFERS_PER_SET) as pool:
             for round_index, first in enumerate(range(0, len(chunks), BUFFERS_PER_SET)):
