@@ -81,8 +81,9 @@ def shared_bytes(shape: GemvShape, config: GemvConfig) -> int:
     scratch = (scratch + 15) // 16 * 16
     chunk = CHUNK_K[shape.encoding]
     sections = -(-shape.cols_pad // chunk) * chunk // (chunk // 8)      # KPL = chunk / 8 columns each
-    # x as fp16 hi and lo halves, 64 zero bytes, one float of bias correction per section
-    return scratch + 2 * 2 * staged_halves(shape) + 64 + 4 * sections
+    # x as fp16 hi and lo halves (lo 32 bytes further on), 64 zero bytes, one float of bias
+    # correction per section
+    return scratch + 2 * 2 * staged_halves(shape) + 32 + 64 + 4 * sections
 
 
 def scale_offset(shape: GemvShape) -> int:
@@ -136,6 +137,9 @@ def make_gemv(mod, shape: GemvShape, config: GemvConfig, weight, x, y, aux=None,
     The grid is persistent: as many blocks as stay resident (at most one per row tile)."""
     if shape.output == "swiglu" and shape.rows % 2:
         raise ValueError(f"a fused [gate; up] matrix has an even number of rows, not {shape.rows}")
+    if shape.weight_bytes >= 1 << 32:     # gemv.cu addresses a tensor with 32-bit offsets
+        raise ValueError(f"a {shape.rows}x{shape.cols} {shape.encoding} matrix is 4 GiB or more; the GEMV kernel "
+                         "addresses tensors below 4 GiB")
     kernel = mod.get_function(name_expression(shape, config.row_tiles))
     w_ptr = weight.data.ptr
     scale_ptr = w_ptr + scale_offset(shape) if shape.encoding != "f16" else w_ptr

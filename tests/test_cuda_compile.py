@@ -17,8 +17,11 @@ from tinyinfer.kernels.build import SOURCES, source_text
 NVCC = shutil.which("nvcc")
 ARCHES = ["sm_75", "sm_86", "sm_90"]
 GEMV_ARGS = "(const unsigned char*, const __half*, int, int, int, const float*, const float*, float, float*)"
-# (encoding, group, row tiles, input, output): every encoding and group, every R, every fusion.
-GEMV_INSTANCES = [("W_F16", 0, 1, "IN_RMSNORM", "OUT_STORE"), ("W_Q8", 32, 2, "IN_RMSNORM", "OUT_SWIGLU"),
+# (encoding, group, row tiles, input, output): every encoding and group, every R, every fusion, and
+# the register-tightest kernels (q4 R = 2 with RMSNorm and SwiGLU; f16 R = 2, which once kept its
+# load ring in local memory).
+GEMV_INSTANCES = [("W_F16", 0, 1, "IN_RMSNORM", "OUT_STORE"), ("W_F16", 0, 2, "IN_PLAIN", "OUT_ADD"),
+                  ("W_Q4", 64, 2, "IN_RMSNORM", "OUT_SWIGLU"), ("W_Q8", 32, 2, "IN_RMSNORM", "OUT_SWIGLU"),
                   ("W_Q8", 64, 2, "IN_PLAIN", "OUT_ADD"), ("W_Q8", 128, 1, "IN_RMSNORM", "OUT_STORE"),
                   ("W_Q4", 32, 2, "IN_RMSNORM", "OUT_STORE"), ("W_Q4", 64, 1, "IN_RMSNORM", "OUT_SWIGLU"),
                   ("W_Q4", 64, 2, "IN_PLAIN", "OUT_STORE"), ("W_Q4", 128, 2, "IN_PLAIN", "OUT_ADD")]
