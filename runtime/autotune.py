@@ -3,8 +3,7 @@
 Each distinct (shape, fusion) is timed over its candidate configurations (row tiles R x warps per
 block) on the model's own weights: one launch per layer, so every launch streams weights that are
 not in L2, after an L2 flush and behind a GPU-side wait so the host's launch cost stays out of the
-measurement. Then each per-layer role is timed again where the decode step runs it, between the
-other kernels of every layer (tune_in_sequence): alone, near ties can rank the other way. The choices are saved in a user cache keyed by the file's tensor checksums, the GPU,
+measurement. The choices are saved in a user cache keyed by the file's tensor checksums, the GPU,
 its compute capability and the kernel sources, so a second load of the same file does not re-tune.
 """
 
@@ -88,21 +87,3 @@ def tune(candidates: dict, stream, wait_factory, flush=None, early: bool = False
                         for config, launches in by_config.items()}
         best[key] = min(timings[key], key=timings[key].get)
     return best, timings
-
-
-def tune_in_sequence(candidates: dict, initial: dict, sequence, stream, wait_factory, flush=None,
-                     early: bool = False) -> tuple[dict, dict]:
-    """Coordinate descent over roles: for each role of `candidates` (role -> configs), time the whole
-    launch sequence `sequence(choice)` (choice: role -> config) with each config in place and the
-    other roles at their current choice, and keep the fastest. Returns (choice, role -> {config: us}).
-
-    On an H200, TinyLlama's wqkv GEMV timed alone tied between R = 1 and R = 2 (3.5 us each), and
-    the tuner's pick flipped between loads; in the decode step R = 1 is 6% faster per token."""
-    choice, timings = dict(initial), {}
-    for role, configs in candidates.items():
-        timings[role] = {}
-        for config in configs:
-            launches = sequence({**choice, role: config})
-            timings[role][config] = time_launches(launches, stream, wait_factory, flush, early=early) * len(launches)
-        choice[role] = min(timings[role], key=timings[role].get)
-    return choice, timings

@@ -336,35 +336,12 @@ class CudaBackend(Backend):
         self.ffn_hidden.fill(0.5)
         self.attn.fill(0.5)
         best, self.tuning_times = autotune.tune(candidates, self.stream, self.wait_launch, self.flush_l2(), self.pdl)
-        best, in_step = self.tune_in_step(candidates, best)
-        self.tuning_times.update(in_step)
         self._flush = self._flush_buffer = None
         self.tuning_source = "measured"
         autotune.save_cached(key, {role: best[role].as_dict() for role in roles},
                              {"gpu": self.gpu_name, "compute_capability": self.compute_capability,
                               "file": str(self.tinf.path), "shapes": {r: self.shapes[r].key for r in roles}})
         return best
-
-    def tune_in_step(self, candidates: dict, best: dict) -> tuple[dict, dict]:
-        """Refine the per-layer roles' choices by timing every layer's kernels in step order (GEMVs
-        and attention, at a mid-chat position), one role's candidates at a time."""
-        layer_roles = [role for role in self.shapes if role != "output"]
-        attention = [self.attention_launch(layer) for layer in range(self.n_layers)]
-        order = ("wqkv", None, "wo", "w_gate_up", "w_down")            # None: attention
-
-        def sequence(choice):
-            return [attention[layer] if role is None else candidates[role][choice[role]][layer]
-                    for layer in range(self.n_layers) for role in order]
-
-        self.upload(self.state, np.array([min(256, self.max_context - 1), 0, 0, 0], dtype=np.int32))
-        in_step = {role: candidates[role] for role in layer_roles}
-        choice, timings = autotune.tune_in_sequence(in_step, best, sequence, self.stream, self.wait_launch,
-                                                    self.flush_l2(), self.pdl)
-        self.upload(self.state, np.zeros(4, dtype=np.int32))
-        self.k_cache.fill(0)
-        self.v_cache.fill(0)
-        per_layer = {role: {c: us / self.n_layers for c, us in times.items()} for role, times in timings.items()}
-        return choice, per_layer
 
     def describe(self) -> str:
         lines = [f"cuda backend: {self.gpu_name} (sm_{self.compute_capability}, {self.n_sms} SMs), "
@@ -379,9 +356,8 @@ class CudaBackend(Backend):
             times = self.tuning_times.get(role, {})
             detail = ", ".join(f"R{c.row_tiles}/w{c.warps} {t:.1f}us" for c, t in sorted(
                 times.items(), key=lambda item: item[1]))
-            where = "alone, us per launch" if role == "output" else "in the step, us per layer"
             lines.append(f"  {self.shapes[role].key:40s} R={config.row_tiles} warps={config.warps}"
-                         + (f"  ({where}: {detail})" if detail else ""))
+                         + (f"  ({detail})" if detail else ""))
         return "\n".join(lines)
 
     # ------------------------------------------------------------------------------ running
