@@ -50,6 +50,10 @@ if has kernels; then
         > "$LOGS/pytest-kernels.log" 2>&1
     note "pytest kernels: $(tail -n 1 "$LOGS/pytest-kernels.log")"
     grep -E "^(FAILED|ERROR)|Error|assert" "$LOGS/pytest-kernels.log" | head -n 15 | tee -a "$SUMMARY"
+    # The machine code check that needs cuobjdump (present here, not in CI): no activation loads
+    # before griddepcontrol.wait.
+    $PY -m pytest tests/test_cuda_compile.py -k pdl -q -p no:cacheprovider > "$LOGS/pytest-pdl.log" 2>&1
+    note "pytest pdl machine code: $(tail -n 1 "$LOGS/pytest-pdl.log")"
 fi
 
 gpu_pytest() {   # stage file timeout: one GPU test file, its errors and relative-error lines into the summary

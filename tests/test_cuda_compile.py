@@ -6,6 +6,8 @@ through name expressions). Skipped when nvcc is not installed.
 
 from __future__ import annotations
 
+import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -59,6 +61,60 @@ def test_kernel_compiles_with_nvcc(kernel_dir, name, arch):
     for line in result.stderr.splitlines():                      # on Hopper nothing spills to local memory
         if "spill stores" in line:
             assert line.strip().startswith("0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads"), line
+
+
+CUOBJDUMP = os.environ.get("CUOBJDUMP") or shutil.which("cuobjdump") or (
+    str(Path(NVCC).parent / "cuobjdump") if NVCC and (Path(NVCC).parent / "cuobjdump").is_file() else None)
+# Global loads each kernel launched with programmatic dependent launch may issue before
+# griddepcontrol.wait (SASS ACQBULK), with how many of each at most: GEMVs stream weights past L1
+# (load_stream) and their fp16 scales; attention reads the position (one 32-bit load, written two
+# kernels back) and copies cached K/V rows; the sampler nothing. Anything else there reads an
+# activation before the previous kernel has written it.
+PRE_WAIT_LOADS = {
+    "gemv.cu": {"LDG.E.NA.128.CONSTANT": None, "LDG.E.U16.CONSTANT": None},
+    "attention.cu": {"LDG.E.CONSTANT": 1, "LDGSTS.E.BYPASS.128": None},
+    "sampling.cu": {},
+}
+
+
+def loads_before_wait(sass: str) -> dict:
+    """function -> (global loads that precede its first ACQBULK, whether it has one)."""
+    found, function, waited = {}, None, False
+    for line in sass.splitlines():
+        if "Function :" in line:
+            function, waited = line.split("Function :")[1].strip(), False
+            found[function] = ([], False)
+        elif function and "ACQBULK" in line:
+            found[function], waited = (found[function][0], True), True
+        elif function and not waited:
+            match = re.search(r"\b(LDGSTS[A-Z0-9.]*|LDG[A-Z0-9.]*)", line)
+            if match:
+                found[function][0].append(match.group(1))
+    return found
+
+
+@pytest.mark.skipif(NVCC is None or CUOBJDUMP is None, reason="needs nvcc and cuobjdump")
+@pytest.mark.parametrize("name", sorted(PRE_WAIT_LOADS))
+def test_no_activation_is_read_before_the_pdl_wait(kernel_dir, name):
+    """Under programmatic dependent launch a kernel starts while the previous one still writes its
+    input. ptxas may move ld.global.nc loads above griddepcontrol.wait: it did for x in one GEMV
+    staging variant, and the decode graph read stale activations while the kernel tests, launched
+    without PDL, passed. So the machine code itself is checked."""
+    source = kernel_dir / f"check_pdl_{name}"
+    source.write_text(wrapper(name))
+    cubin = kernel_dir / f"{name}.pdl.cubin"
+    subprocess.run([NVCC, "-std=c++17", "-arch=sm_90a", "-cubin", "-I", str(kernel_dir), "-o", str(cubin), str(source)],
+                   check=True, capture_output=True, timeout=600)
+    sass = subprocess.run([CUOBJDUMP, "-sass", str(cubin)], check=True, capture_output=True, text=True).stdout
+    functions = loads_before_wait(sass)
+    assert functions, "no kernels in the disassembly"
+    allowed = PRE_WAIT_LOADS[name]
+    for function, (loads, waits) in functions.items():
+        assert waits, f"{function}: no griddepcontrol.wait"
+        for load in set(loads):
+            assert load in allowed, f"{function} issues {load} before griddepcontrol.wait"
+            limit = allowed[load]
+            assert limit is None or loads.count(load) <= limit, f"{function}: {loads.count(load)} x {load} before the wait"
 
 
 def nvrtc_and_headers():
