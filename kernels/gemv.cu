@@ -98,10 +98,18 @@ __device__ __forceinline__ float staged_factor(int i) {
 // correction of each section to corr. kc >= K is the staged length (a whole number of chunks);
 // columns K..kc-1 are zero.
 //
-// Staging sits on the critical path of every GEMV (it runs after the PDL wait), and each global
-// round trip there costs ~0.5 us while the DRAM queue is full of weight loads. So each thread loads
-// BATCH groups of 8 columns at once, and when the whole input fits in one batch RMSNorm takes its
-// sum of squares from the same registers: one round trip for x (and the norm weight) in all.
+// Staging sits on the critical path of every GEMV (it runs after the PDL wait), and each dependent
+// global round trip there costs ~0.5 us while the DRAM queue is full of weight loads. So:
+// - x is loaded in batches of groups of 8 columns, every load of a batch before any use;
+// - RMSNorm over at most one group per thread loads x and its norm weight in one round trip, and
+//   takes the sum of squares from the same registers (stage_input);
+// - when x is two groups per thread (norm_two_groups), RMSNorm's weight is copied into
+//   the staging area with cp.async before the PDL wait (it is a weight, not an activation) and the
+//   sum of squares comes from the same registers as the conversion: one round trip in all. The
+//   area is overwritten by the staged x afterwards (the block sum's barriers order the reads of the
+//   weight before those writes), so this costs no shared memory.
+// Registers are the limit: the ring of weights loaded before the wait is live here, and larger
+// batches make the q4 kernels spill.
 template <int IN>
 __device__ __forceinline__ float stage_value(const float* __restrict__ x, const float* __restrict__ aux, int K, int k,
                                              float scale) {
@@ -110,30 +118,45 @@ __device__ __forceinline__ float stage_value(const float* __restrict__ x, const 
     return x[k] * scale * aux[k];
 }
 
+// Eight floats of a weight (the norm weight: read-only, may be read before the PDL wait).
 __device__ __forceinline__ void load8(const float* p, float (&v)[8]) {
     const float4 a = *reinterpret_cast<const float4*>(p), b = *reinterpret_cast<const float4*>(p + 4);
     v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w; v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
 }
 
-// Group b (columns 8b .. 8b+7) to shared memory: v holds x (and w the norm weight) when b < full,
+// Eight floats of x, an activation: coherent loads (see load_activation4).
+__device__ __forceinline__ void load8_x(const float* p, float (&v)[8]) {
+    const float4 a = load_activation4(p), b = load_activation4(p + 4);
+    v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w; v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
+}
+
+// RMSNorm inputs of two groups of 8 per thread stage through stage_normed_early; the rest through
+// stage_input.
+template <int IN>
+__device__ __forceinline__ bool norm_two_groups(int K) {
+    return IN == IN_RMSNORM && (K & 7) == 0 && K > 8 * (int)blockDim.x && K <= 16 * (int)blockDim.x;
+}
+
+// Before the PDL wait: start copying the norm weight [K] into the staging area (16-byte pieces).
+__device__ __forceinline__ void prefetch_norm_weight(float* area, const float* __restrict__ aux, int K) {
+    for (int i = threadIdx.x; i < (K >> 2); i += blockDim.x) copy16_async(area + 4 * i, aux + 4 * i);
+}
+
+// Group b (columns 8b .. 8b+7) to shared memory: `value` holds the staged values when b < full,
 // else the columns are read one by one (K not a multiple of 8) or are zero padding. Every thread
 // of a warp calls this together (the section sums shuffle across lanes).
 template <int WT, int IN>
 __device__ __forceinline__ void stage_group(__half* xs, __half* xs_lo, float* corr, const float* __restrict__ x,
                                             const float* __restrict__ aux, int K, int b, int full, int groups,
-                                            float scale, const float (&v)[8], const float (&w)[8]) {
+                                            float scale, const float (&value)[8]) {
     constexpr int GROUPS_PER_SECTION = Weights<WT>::KPL / 8;
     float out[8], bias_sum = 0.f;
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
-        float value;
-        if (b < full) {
-            value = IN == IN_PLAIN ? v[i] : v[i] * scale * w[i];
-        } else {
-            value = b < groups ? stage_value<IN>(x, aux, K, b * 8 + i, scale) : 0.f;
-        }
-        bias_sum += weight_bias<WT>(i) * value;
-        out[staged_slot<WT>(i)] = value * staged_factor<WT>(i);
+        float v = value[i];
+        if (b >= full) v = b < groups ? stage_value<IN>(x, aux, K, b * 8 + i, scale) : 0.f;
+        bias_sum += weight_bias<WT>(i) * v;
+        out[staged_slot<WT>(i)] = v * staged_factor<WT>(i);
     }
     // A section is GROUPS_PER_SECTION consecutive groups, held by consecutive lanes.
 #pragma unroll
@@ -151,6 +174,58 @@ __device__ __forceinline__ void stage_group(__half* xs, __half* xs_lo, float* co
     }
     *reinterpret_cast<uint4*>(xs + staged_index(b * 8)) = make_uint4(hi[0], hi[1], hi[2], hi[3]);
     *reinterpret_cast<uint4*>(xs_lo + staged_index(b * 8)) = make_uint4(lo[0], lo[1], lo[2], lo[3]);
+}
+
+// Groups [first, groups) of an RMSNorm input whose x groups all lie before `first`: zero padding.
+template <int WT>
+__device__ __forceinline__ void stage_padding(__half* xs, __half* xs_lo, float* corr, const float* __restrict__ x,
+                                              const float* __restrict__ aux, int K, int first, int full, int groups,
+                                              float scale) {
+    const float zeros[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    for (int base = first; base < groups; base += blockDim.x)       // uniform across the block
+        stage_group<WT, IN_RMSNORM>(xs, xs_lo, corr, x, aux, K, base + (int)threadIdx.x, full, groups, scale, zeros);
+}
+
+// RMSNorm with the norm weight already in shared memory (norm_two_groups): one round trip for x.
+template <int WT>
+__device__ __forceinline__ void stage_normed_early(__half* xs, __half* xs_lo, float* corr, const float* __restrict__ x,
+                                                   const float* __restrict__ aux, int K, int groups, float eps,
+                                                   float* scratch) {
+    const int threads = blockDim.x, full = K >> 3;
+    const float* w_s = reinterpret_cast<const float*>(xs);      // the weight, until the writes below
+    float v[2][8] = {};
+    float ss = 0.f;
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        const int b = i * threads + (int)threadIdx.x;
+        if (b < full) load8_x(x + 8 * b, v[i]);
+    }
+    copies_landed();
+    __syncthreads();                                            // every thread's copies of the weight
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        const int b = i * threads + (int)threadIdx.x;
+        if (b >= full) continue;
+#pragma unroll
+        for (int e = 0; e < 8; ++e) ss += v[i][e] * v[i][e];
+#pragma unroll
+        for (int q = 0; q < 2; ++q) {          // 4 values at a time: registers are tight here
+            const float4 w = reinterpret_cast<const float4*>(w_s + 8 * b)[q];
+            v[i][4 * q] *= w.x;
+            v[i][4 * q + 1] *= w.y;
+            v[i][4 * q + 2] *= w.z;
+            v[i][4 * q + 3] *= w.w;
+        }
+    }
+    const float scale = rsqrtf(block_sum(ss, scratch) / (float)K + eps);   // its barriers: w_s is read
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+#pragma unroll
+        for (int e = 0; e < 8; ++e) v[i][e] *= scale;
+        stage_group<WT, IN_RMSNORM>(xs, xs_lo, corr, x, aux, K, i * threads + (int)threadIdx.x, full, groups, scale,
+                                    v[i]);
+    }
+    stage_padding<WT>(xs, xs_lo, corr, x, aux, K, 2 * threads, full, groups, scale);
 }
 
 template <int WT, int IN>
@@ -202,9 +277,13 @@ __device__ __forceinline__ void stage_input(__half* xs, __half* xs_lo, float* co
     for (int base = 0; base < groups; base += per_round) {
         if (!(IN == IN_RMSNORM && vector && one_round)) load_batch(base);
 #pragma unroll
-        for (int i = 0; i < BATCH; ++i)
+        for (int i = 0; i < BATCH; ++i) {
+            float value[8];
+#pragma unroll
+            for (int e = 0; e < 8; ++e) value[e] = IN == IN_PLAIN ? v[i][e] : v[i][e] * scale * w[i][e];
             stage_group<WT, IN>(xs, xs_lo, corr, x, aux, K, base + i * threads + (int)threadIdx.x, full, groups,
-                                scale, v[i], w[i]);
+                                scale, value);
+        }
     }
 }
 
@@ -350,7 +429,11 @@ __global__ void __launch_bounds__(256, 2) gemv(
     };
 
     // The first DEPTH items' weights are in flight while the previous kernel finishes (PDL) and
-    // while the input is staged.
+    // while the input is staged. When RMSNorm's weight goes through shared memory, the last ring
+    // slot is loaded after staging instead: holding two groups of x per thread then fits in the
+    // registers (the two paths are separate so that the slot is not live during that staging).
+    // That is only done when a warp has more items than the ring holds anyway: with fewer, all of
+    // them in flight before the wait is worth more (measured: TinyLlama's gate/up, 2 items a warp).
     pdl_launch_dependents();
     int next_ti = 0, next_k = 0;       // the next item to load: tile index ti, chunk index k
     auto load_next = [&](int b) {
@@ -360,11 +443,21 @@ __global__ void __launch_bounds__(256, 2) gemv(
             ++next_ti;
         }
     };
+    if (norm_two_groups<IN>(K) && my_tiles * ((nchunks + nwarps - 1) / nwarps) > DEPTH) {
 #pragma unroll
-    for (int b = 0; b < DEPTH; ++b)
-        if (b < n_items) load_next(b);
-    pdl_wait();
-    stage_input<WT, IN>(xs, xs_lo, corr, x, aux, K, nchunks * CW, eps, red);
+        for (int b = 0; b < DEPTH - 1; ++b)
+            if (b < n_items) load_next(b);
+        prefetch_norm_weight(reinterpret_cast<float*>(xs), aux, K);
+        pdl_wait();
+        stage_normed_early<WT>(xs, xs_lo, corr, x, aux, K, nchunks * CW / 8, eps, red);
+        if (DEPTH - 1 < n_items) load_next(DEPTH - 1);
+    } else {
+#pragma unroll
+        for (int b = 0; b < DEPTH; ++b)
+            if (b < n_items) load_next(b);
+        pdl_wait();
+        stage_input<WT, IN>(xs, xs_lo, corr, x, aux, K, nchunks * CW, eps, red);
+    }
     __syncthreads();
 
     int it = 0;
