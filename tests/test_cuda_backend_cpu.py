@@ -235,3 +235,14 @@ def test_upload_reads_the_file_bytes_at_an_offset(tmp_path):
             read_exactly(fd, buffer, 40_000)          # only 60,003 bytes are left there
     finally:
         os.close(fd)
+
+
+def test_autotune_ties_go_to_fewer_row_tiles():
+    C = gemv_k.GemvConfig
+    # R2/w8 is fastest, but R1/w8 is within 3%: the smaller tiles win the tie
+    assert autotune.pick({C(2, 8): 3.50, C(1, 8): 3.58, C(1, 4): 3.9}) == C(1, 8)
+    # outside the tie margin the fastest wins
+    assert autotune.pick({C(2, 8): 12.2, C(1, 8): 13.1}) == C(2, 8)
+    # among tied configurations of the same R, the faster
+    assert autotune.pick({C(2, 4): 16.8, C(2, 8): 17.1, C(1, 4): 19.3}) == C(2, 4)
+    assert autotune.pick({C(1, 8): 4.0, C(1, 4): 3.95, C(2, 8): 3.9}) == C(1, 4)
