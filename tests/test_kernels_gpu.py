@@ -64,11 +64,11 @@ def misc_module(cc):
     return misc_k.compile_misc(cc)
 
 
-def run_gemv(cp, cc, tensor, input, output, config, rng):
+def run_gemv(cp, cc, tensor, input, output, config, rng, x=None):
     shape = gemv_k.shape_of(tensor, input, output)
     mod, _ = gemv_k.compile_gemvs([(shape, config.row_tiles)], cc)
     k = tensor.cols
-    x = rng.standard_normal(k).astype(np.float32)
+    x = rng.standard_normal(k).astype(np.float32) if x is None else x
     aux = (1 + 0.1 * rng.standard_normal(k)).astype(np.float32) if input == "rmsnorm" else None
     residual = rng.standard_normal(tensor.rows).astype(np.float32) if output == "add" else None
     y = cp.asarray(residual) if residual is not None else cp.full(gemv_k.output_rows(shape), np.nan, dtype=cp.float32)
@@ -110,6 +110,23 @@ def test_gemv_every_group_size(cupy_gpu, cc, encoding, group, cols):
     tensor = random_encoded(encoding, (300, cols), group, rng, 1 / np.sqrt(cols))
     error = run_gemv(cupy_gpu, cc, tensor, "rmsnorm", "store", gemv_k.GemvConfig(2, 4), rng)
     assert error <= MAX_ERROR, f"{encoding} g{group} K={cols}: {error:.2e}"
+
+
+@pytest.mark.parametrize("encoding", ["f16", "q8", "q4"])
+def test_gemv_inputs_with_outliers_and_zeros(cupy_gpu, cc, encoding):
+    """x is staged in shared memory in a narrower format than fp32 (fp16 hi + lo): inputs spanning
+    12 orders of magnitude (a few "massive activations", tiny values, all-zero stretches) must keep
+    the products within the bound."""
+    rng = np.random.default_rng(11)
+    k = 4096
+    x = rng.standard_normal(k).astype(np.float32)
+    x[rng.choice(k, 6, replace=False)] *= 2000.0
+    x[512:1024] *= 1e-6
+    x[1024:1280] = 0.0
+    tensor = random_encoded(encoding, (512, k), None if encoding == "f16" else 64, rng, 1 / np.sqrt(k))
+    for input, output in [("plain", "store"), ("rmsnorm", "add")]:
+        error = run_gemv(cupy_gpu, cc, tensor, input, output, gemv_k.GemvConfig(2, 8), rng, x)
+        assert error <= MAX_ERROR, f"{encoding} {input}>{output}: {error:.2e}"
 
 
 def test_gemv_quantized_by_the_format_encoder(cupy_gpu, cc):
