@@ -93,16 +93,13 @@ TI_DEVICE uint4 load_stream(const void* p) {
     return v;
 }
 
-// Activations (what the previous kernel writes) are read after pdl_wait() with these coherent loads,
-// never with ld.global.nc: ptxas treats .nc data as read-only for the whole kernel and may move
-// such a load above griddepcontrol.wait, i.e. before the previous kernel has written it
-// (tests/test_cuda_compile.py checks the machine code).
+// A coherent load of an activation (what the previous kernel writes), for reads after pdl_wait()
+// that sit close to weight loads issued before it: ptxas treats ld.global.nc data as read-only for
+// the whole kernel and may move such a load above griddepcontrol.wait, i.e. before the previous
+// kernel has written it (it did, in a GEMV staging variant). tests/test_cuda_compile.py checks
+// the machine code of every kernel launched with PDL for loads before the wait.
 TI_DEVICE float4 load_activation4(const float* p) {
     return __ldcg(reinterpret_cast<const float4*>(p));      // ld.global.cg: coherent at L2
-}
-
-TI_DEVICE float load_activation(const float* p) {
-    return __ldcg(p);
 }
 
 // 16-byte global -> shared copy that holds no registers until it lands (cp.async, sm_80+; Turing
