@@ -135,11 +135,15 @@ def source_variants(b, prompt, tuning) -> None:
     with_slices(b, base_slices)
 
 
-GEMV_VARIANTS = [   # (label, [(old, new, count), ...]) edits of gemv.cu
-    ("gemv returns after pdl_wait", [("    pdl_wait();\n    stage_input", "    pdl_wait();\n    return;\n    stage_input", 1)]),
-    ("gemv returns after staging x", [("    stage_input<WT, IN>(xs, xs_lo, corr, x, aux, K, nchunks * CW, eps, red);\n    __syncthreads();\n",
-                                       "    stage_input<WT, IN>(xs, xs_lo, corr, x, aux, K, nchunks * CW, eps, red);\n    __syncthreads();\n    return;\n", 1)]),
-    ("gemv stages zeros (no x reads)", [("load8(x + 8 * b, v);", "for (int i = 0; i < 8; ++i) v[i] = 0.f;", 2)]),
+GEMV_VARIANTS = [   # (label, [(old, new, count), ...]) edits of gemv.cu (results wrong, time only)
+    ("gemv returns after pdl_wait", [("        pdl_wait();\n", "        pdl_wait();\n        return;\n", 2)]),
+    ("gemv returns after staging x", [("    __syncthreads();\n\n    int it = 0;",
+                                       "    __syncthreads();\n    return;\n\n    int it = 0;", 1)]),
+    ("gemv stages zeros (no x reads)", [("load8(x + 8 * b, v[i]);", "for (int e = 0; e < 8; ++e) v[i][e] = 0.f;", 1),
+                                        ("load8_x(x + 8 * b, v[i]);", "for (int e = 0; e < 8; ++e) v[i][e] = 0.f;", 1),
+                                        ("load8(x + 8 * b, a);", "for (int e = 0; e < 8; ++e) a[e] = 0.f;", 1),
+                                        ("if (second) load8(x + 8 * (b + threads), c);",
+                                         "for (int e = 0; e < 8; ++e) c[e] = 0.f;", 1)]),
 ]
 
 
