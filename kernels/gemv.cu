@@ -118,16 +118,19 @@ __device__ __forceinline__ float stage_value(const float* __restrict__ x, const 
     return x[k] * scale * aux[k];
 }
 
-// Eight floats of a weight (the norm weight: read-only, may be read before the PDL wait).
-__device__ __forceinline__ void load8(const float* p, float (&v)[8]) {
-    const float4 a = *reinterpret_cast<const float4*>(p), b = *reinterpret_cast<const float4*>(p + 4);
+__device__ __forceinline__ void unpack8(float4 a, float4 b, float (&v)[8]) {
     v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w; v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
 }
 
-// Eight floats of x, an activation: coherent loads (see load_activation4).
+// Eight floats (x or the norm weight) with plain loads, after the PDL wait.
+__device__ __forceinline__ void load8(const float* p, float (&v)[8]) {
+    unpack8(*reinterpret_cast<const float4*>(p), *reinterpret_cast<const float4*>(p + 4), v);
+}
+
+// Eight floats of x, an activation, with coherent loads (see load_activation4): for the staging
+// path whose norm weight copies are issued before the PDL wait.
 __device__ __forceinline__ void load8_x(const float* p, float (&v)[8]) {
-    const float4 a = load_activation4(p), b = load_activation4(p + 4);
-    v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w; v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
+    unpack8(load_activation4(p), load_activation4(p + 4), v);
 }
 
 // RMSNorm inputs of two groups of 8 per thread stage through stage_normed_early; the rest through
