@@ -332,6 +332,7 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS, 2) ATT_CLUSTER_DIMS at
     unsigned int* __restrict__ counters,  // global merge: [n_kv] zero between launches
     float* __restrict__ out)              // [n_heads * hd]
 {
+    TI_PROBE;
     extern __shared__ __align__(16) unsigned char smem[];
     const int kvh = blockIdx.x, s = blockIdx.y, S = gridDim.y;
     const int group = n_heads / n_kv;
@@ -370,9 +371,11 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS, 2) ATT_CLUSTER_DIMS at
 
     stage_rows(k_s, v_s, stride, k_cache, v_cache, n_kv, hd, kvh, begin, min(end, begin + stage), pos);
     pdl_wait();
+    TI_MARK(1);
     if (begin < end) {
         rope_and_append(qkv, k_cache, v_cache, rope_cos, rope_sin, n_heads, n_kv, hd, kvh, pos, end == len, q_s,
                         kv_new);
+        TI_MARK(2);                                                  // q rotated (thread 0's part)
         for (int h = threadIdx.x; h < group; h += blockDim.x) {
             head_m[h] = -TI_INF;
             head_l[h] = 0.f;
@@ -393,6 +396,7 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS, 2) ATT_CLUSTER_DIMS at
             }
             copies_landed();
             __syncthreads();                                         // kv_new, q_s, head_m/l written
+            if (c0 == begin) TI_MARK(3);                             // the first chunk staged
             stage_new_row(k_s, v_s, stride, kv_new, hd, c0, c1, pos);
             __syncthreads();
             chunk_scores(q_s, k_s, stride, hd, group, n, stage, sc);
@@ -402,6 +406,7 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS, 2) ATT_CLUSTER_DIMS at
 #pragma unroll
             for (int k = 0; k < ATT_MAX_ITEMS; ++k) chunk_pv(items[k], parts, sc, v_s, stride, n, stage, head_corr, acc[k]);
         }
+        TI_MARK(4);                                                  // the slice's chunks done
         __syncthreads();                                             // the staging area becomes part_sum
 #pragma unroll
         for (int k = 0; k < ATT_MAX_ITEMS; ++k) {
@@ -434,6 +439,7 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS, 2) ATT_CLUSTER_DIMS at
             }
         }
     }
+    TI_MARK(5);                       // the block's result written; what follows is the merge (to mark 9)
 #if ATT_USE_CLUSTER
     if (active == 1) return;          // the same for every block of the cluster: no barrier waits alone
     cluster_sync();                   // every block's partial result is in its shared memory

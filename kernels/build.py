@@ -9,6 +9,7 @@ sm_90a target. CuPy caches the binaries on disk, keyed by source, options and ar
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 from functools import lru_cache
 from importlib import resources
@@ -50,6 +51,8 @@ def compile_options(compute_capability: int) -> tuple:
     options = ("--std=c++17",)
     if compute_capability == 90:
         options += ("-arch=sm_90a",)   # Hopper's own target (checked on an H200 with CuPy 14.2)
+    if os.environ.get("TINYINFER_TIMELINE") == "1":
+        options += ("-DTI_TIMELINE",)  # per-block timestamps for tests/gpu_timeline.py (common.cuh)
     return options
 
 

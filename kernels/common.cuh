@@ -162,3 +162,73 @@ TI_DEVICE float embedding_value(const void* table, int encoding, size_t index) {
 #define STATE_TOKEN 1    // token being processed (the sampler writes the next one here)
 #define STATE_STEP 2     // index into the output token array
 #define STATE_SIZE 4
+
+// Decode timeline: a diagnostic compiled in only with -DTI_TIMELINE (TINYINFER_TIMELINE=1 at load;
+// read by tests/gpu_timeline.py). Thread 0 of every block writes one record of TI_TIMELINE_WORDS
+// u64: the launch (%gridid), (SM << 32 | linear block index), then the global timer (ns) at
+// TI_MARKS marks and the SM's clock at the same marks. Mark 0 is the block's start, 1 the return
+// from pdl_wait, the last one its end; the kernels place the others (see their TI_MARK calls,
+// allowed in any function the kernel calls). A mark never reached stays 0. TI_TOUCH(v) makes
+// thread 0 wait until register v has its value (a load has landed) before the next mark. Without
+// the define all of this is empty.
+#ifdef TI_TIMELINE
+#define TI_TIMELINE_CAPACITY (1 << 17)
+#define TI_MARKS 10
+#define TI_TIMELINE_WORDS (2 + 2 * TI_MARKS)
+extern "C" {
+__device__ u64 ti_timeline[TI_TIMELINE_CAPACITY * TI_TIMELINE_WORDS];
+__device__ u32 ti_timeline_count;
+}
+
+TI_DEVICE u64* ti_marks() {              // [2][TI_MARKS]: global time, SM clock (thread 0's)
+    __shared__ u64 marks[2 * TI_MARKS + 1];
+    return marks;
+}
+
+TI_DEVICE void ti_mark(int i) {
+    if (threadIdx.x != 0) return;
+    u64 t;
+    asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(t));
+    ti_marks()[i] = t;
+    ti_marks()[TI_MARKS + i] = clock64();
+}
+
+TI_DEVICE void ti_touch(u32 v) {
+    if (threadIdx.x != 0) return;
+    u32 sink = (u32)ti_marks()[2 * TI_MARKS];
+    asm volatile("xor.b32 %0, %0, %1;\n" : "+r"(sink) : "r"(v));
+    ti_marks()[2 * TI_MARKS] = sink;
+}
+
+struct TimelineProbe {
+    u32 slot;
+
+    TI_DEVICE TimelineProbe() {
+        if (threadIdx.x != 0) return;
+        for (int i = 1; i < 2 * TI_MARKS + 1; ++i) ti_marks()[i] = 0;
+        ti_mark(0);
+        slot = atomicAdd(&ti_timeline_count, 1u);      // its latency overlaps the block's work
+    }
+
+    TI_DEVICE ~TimelineProbe() {
+        if (threadIdx.x != 0) return;
+        ti_mark(TI_MARKS - 1);
+        if (slot >= TI_TIMELINE_CAPACITY) return;
+        u64 grid, sm;
+        asm volatile("mov.u64 %0, %%gridid;\n" : "=l"(grid));
+        asm volatile("{ .reg .u32 s; mov.u32 s, %%smid; cvt.u64.u32 %0, s; }\n" : "=l"(sm));
+        u64* r = ti_timeline + (size_t)slot * TI_TIMELINE_WORDS;
+        r[0] = grid;
+        r[1] = (sm << 32) | ((blockIdx.x + (u64)blockIdx.y * gridDim.x) & 0xffffff) |
+               ((ti_marks()[2 * TI_MARKS] & 0xff) << 24);
+        for (int i = 0; i < 2 * TI_MARKS; ++i) r[2 + i] = ti_marks()[i];
+    }
+};
+#define TI_PROBE TimelineProbe ti_probe
+#define TI_MARK(i) ti_mark(i)
+#define TI_TOUCH(v) ti_touch(v)
+#else
+#define TI_PROBE
+#define TI_MARK(i)
+#define TI_TOUCH(v)
+#endif

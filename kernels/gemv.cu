@@ -203,6 +203,8 @@ __device__ __forceinline__ void stage_normed_early(__half* xs, __half* xs_lo, fl
         const int b = i * threads + (int)threadIdx.x;
         if (b < full) load8_x(x + 8 * b, v[i]);
     }
+    TI_TOUCH(__float_as_uint(v[0][0]));
+    TI_MARK(2);                                                 // x has landed (thread 0)
     copies_landed();
     __syncthreads();                                            // every thread's copies of the weight
 #pragma unroll
@@ -259,6 +261,8 @@ __device__ __forceinline__ void stage_input(__half* xs, __half* xs_lo, float* co
             for (int k = threadIdx.x; k < K; k += threads) ss += x[k] * x[k];
         } else if (one_round) {                // the registers loaded here are converted below
             load_batch(0);
+            TI_TOUCH(__float_as_uint(v[0][0]));
+            TI_MARK(2);                        // x has landed (thread 0)
 #pragma unroll
             for (int i = 0; i < BATCH; ++i)
                 if (i * threads + (int)threadIdx.x < full)
@@ -279,6 +283,10 @@ __device__ __forceinline__ void stage_input(__half* xs, __half* xs_lo, float* co
     }
     for (int base = 0; base < groups; base += per_round) {
         if (!(IN == IN_RMSNORM && vector && one_round)) load_batch(base);
+        if (base == 0 && IN == IN_PLAIN) {
+            TI_TOUCH(__float_as_uint(v[0][0]));
+            TI_MARK(2);                        // x has landed (thread 0)
+        }
 #pragma unroll
         for (int i = 0; i < BATCH; ++i) {
             float value[8];
@@ -339,6 +347,7 @@ __global__ void __launch_bounds__(256, 2) gemv(
     constexpr int DEPTH = RT == 1 ? 4 : 2;   // items in flight per warp (depths 2 to 8 measured within 5%)
     static_assert(WT == W_F16 || G % KPL == 0, "a 16-byte load must stay inside one quantization group");
 
+    TI_PROBE;
     extern __shared__ __align__(16) unsigned char smem[];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
     const int g = lane >> 2, t = lane & 3;
@@ -452,6 +461,7 @@ __global__ void __launch_bounds__(256, 2) gemv(
             if (b < n_items) load_next(b);
         prefetch_norm_weight(reinterpret_cast<float*>(xs), aux, K);
         pdl_wait();
+        TI_MARK(1);
         stage_normed_early<WT>(xs, xs_lo, corr, x, aux, K, nchunks * CW / 8, eps, red);
         if (DEPTH - 1 < n_items) load_next(DEPTH - 1);
     } else {
@@ -459,9 +469,13 @@ __global__ void __launch_bounds__(256, 2) gemv(
         for (int b = 0; b < DEPTH; ++b)
             if (b < n_items) load_next(b);
         pdl_wait();
+        TI_MARK(1);
         stage_input<WT, IN>(xs, xs_lo, corr, x, aux, K, nchunks * CW, eps, red);
     }
     __syncthreads();
+    TI_MARK(3);                        // input staged
+    TI_TOUCH(wv[0][0][0][0].x);
+    TI_MARK(4);                        // the first ring slot's weights have landed (thread 0)
 
     int it = 0;
     for (int ti = 0; ti < my_tiles; ++ti) {
@@ -474,12 +488,14 @@ __global__ void __launch_bounds__(256, 2) gemv(
             for (int b = 0; b < DEPTH; ++b) {
                 if (it % DEPTH == b) {
                     compute_item(b, warp + k * nwarps, acc);
+                    if (it == 0) TI_MARK(5);   // the first item multiplied
                     if (it + DEPTH < n_items) load_next(b);
                 }
             }
         }
         // Sum the four lanes of each row, then the warps (red is double-buffered by tile parity, so
         // one barrier per tile suffices).
+        if (ti == my_tiles - 1) TI_MARK(6);   // the last item multiplied
         float* part = red + (ti & 1) * nwarps * 16 * RT;
 #pragma unroll
         for (int rt = 0; rt < RT; ++rt)
@@ -491,6 +507,7 @@ __global__ void __launch_bounds__(256, 2) gemv(
                 if (t == 0) part[(warp * RT + rt) * 16 + g + 8 * h] = v;
             }
         __syncthreads();
+        if (ti == my_tiles - 1) TI_MARK(7);   // the last tile's partial sums in shared memory
         const int out0 = ((int)blockIdx.x + ti * (int)gridDim.x) * tile_outputs<RT, OUT>();
         for (int i = threadIdx.x; i < tile_outputs<RT, OUT>(); i += blockDim.x) {
             if (out0 + i >= outputs) continue;

@@ -140,7 +140,9 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_token(
     const void* __restrict__ emb_table, int emb_encoding, int emb_cols_pad, int dim,
     float* __restrict__ x)                 // the next step's input: the embedding of the chosen token
 {
+    TI_PROBE;
     pdl_wait();                            // logits come from the output GEMV
+    TI_MARK(1);
     __shared__ double scratch_d[32];
     __shared__ ArgBest scratch_a[32];
     __shared__ u32 hist[256];
@@ -189,6 +191,7 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_token(
         }
     }
     best = block_argmax(best, scratch_a);
+    TI_MARK(2);                            // the (penalised, scaled) argmax
     int token = best.index < vocab ? best.index : 0;
 
     if (temperature > 0.0) {

@@ -164,6 +164,40 @@ def gemv_variants(b, prompt, tuning) -> None:
     b.gemv_module = base
 
 
+# Where the kernels let their dependents start (griddepcontrol.launch_dependents): at the top, as
+# submitted, every kernel lets the next one start at once, so several kernels ahead are resident and
+# prefetching weights while the current one reads its input; later triggers keep fewer ahead.
+GEMV_TOP = ("    pdl_launch_dependents();\n    // OUT_ADD", "    // OUT_ADD", 1)
+ATT_TOP = ("    pdl_launch_dependents();\n    const int pos", "    const int pos")
+TRIGGER_VARIANTS = [   # (label, gemv.cu edits (old, new, count), attention.cu edits (old, new))
+    ("gemv triggers after its wait", [GEMV_TOP, ("        TI_MARK(1);\n", "        TI_MARK(1);\n        pdl_launch_dependents();\n", 2)], []),
+    ("gemv triggers after staging", [GEMV_TOP, ("    TI_MARK(3);", "    pdl_launch_dependents();\n    TI_MARK(3);", 1)], []),
+    ("gemv triggers after its products", [GEMV_TOP, ("        if (ti == my_tiles - 1) TI_MARK(6);",
+                                                     "        pdl_launch_dependents();\n        if (ti == my_tiles - 1) TI_MARK(6);", 1)], []),
+    ("attention triggers after its wait", [], [ATT_TOP, ("    TI_MARK(1);\n", "    TI_MARK(1);\n    pdl_launch_dependents();\n")]),
+    ("both after the wait", [GEMV_TOP, ("        TI_MARK(1);\n", "        TI_MARK(1);\n        pdl_launch_dependents();\n", 2)],
+     [ATT_TOP, ("    TI_MARK(1);\n", "    TI_MARK(1);\n    pdl_launch_dependents();\n")]),
+]
+
+
+def trigger_variants(b, prompt, tuning) -> None:
+    base_gemv, base_attn = b.gemv_module, b.attn_module
+    items = [(shape, rt) for shape in b.shapes.values() for rt, _ in gemv_k.CANDIDATES]
+    expressions = sorted({gemv_k.name_expression(shape, rt) for shape, rt in items})
+    whole = time_step(b, prompt, b.build_step(tuning))
+    print(f"  base step {whole:.1f} us", flush=True)
+    for label, gemv_edits, attention_edits in TRIGGER_VARIANTS:
+        src = expanded_source("gemv.cu")
+        for old, new, count in gemv_edits:
+            assert src.count(old) == count, f"gemv.cu changed: update the variant ({old[:40]}...)"
+            src = src.replace(old, new)
+        b.gemv_module = cp.RawModule(code=src, options=compile_options(b.compute_capability),
+                                     name_expressions=expressions)
+        b.attn_module = edited_attention(b, attention_edits, b.attn_cluster)
+        print(f"  {label}: {time_step(b, prompt, b.build_step(tuning)) - whole:+.1f} us", flush=True)
+    b.gemv_module, b.attn_module = base_gemv, base_attn
+
+
 def tune_in_graph(b, prompt, tuning) -> None:
     """Each role's GEMV configuration chosen by the whole step's graph time (one role at a time, the
     others as tuned), against the load-time tuner's choice from kernels timed alone."""
@@ -181,7 +215,7 @@ def tune_in_graph(b, prompt, tuning) -> None:
     print(f"  in-graph tuning: {base:.1f} -> {final:.1f} us", flush=True)
 
 
-PARTS = [roles_and_grids, null_chains, source_variants, gemv_variants, tune_in_graph]
+PARTS = [roles_and_grids, null_chains, source_variants, gemv_variants, trigger_variants, tune_in_graph]
 
 if __name__ == "__main__":
     # python3 tests/gpu_exp_chain.py [SHAPE[:QUANT] ...] [--only PART]   (PART: a function name in PARTS)

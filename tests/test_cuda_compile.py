@@ -63,6 +63,19 @@ def test_kernel_compiles_with_nvcc(kernel_dir, name, arch):
             assert line.strip().startswith("0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads"), line
 
 
+@pytest.mark.skipif(NVCC is None, reason="nvcc is not installed")
+@pytest.mark.parametrize("name", ["gemv.cu", "attention.cu", "sampling.cu"])
+def test_timeline_probe_compiles(kernel_dir, name):
+    """The diagnostic build (TINYINFER_TIMELINE=1 adds -DTI_TIMELINE: per-block timestamps read by
+    tests/gpu_timeline.py) compiles for Hopper, where it is used."""
+    source = kernel_dir / f"check_timeline_{name}"
+    source.write_text(wrapper(name))
+    result = subprocess.run([NVCC, "-std=c++17", "-arch=sm_90a", "-DTI_TIMELINE", "-cubin", "-I", str(kernel_dir),
+                             "-o", str(kernel_dir / f"{name}.timeline.cubin"), str(source)],
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
 CUOBJDUMP = os.environ.get("CUOBJDUMP") or shutil.which("cuobjdump") or (
     str(Path(NVCC).parent / "cuobjdump") if NVCC and (Path(NVCC).parent / "cuobjdump").is_file() else None)
 # Global loads each kernel launched with programmatic dependent launch may issue before
