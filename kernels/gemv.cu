@@ -447,6 +447,13 @@ __global__ void __launch_bounds__(256, 2) gemv(
     // That is only done when a warp has more items than the ring holds anyway: with fewer, all of
     // them in flight before the wait is worth more (measured: TinyLlama's gate/up, 2 items a warp).
     pdl_launch_dependents();
+    // OUT_ADD: the residual under the block's first tile is read right after the PDL wait, beside
+    // the input's staging, instead of by a dependent round trip in the epilogue (thread i holds
+    // output i of the tile; the model's shapes give every block at most one tile).
+    const int first_out = (int)blockIdx.x * tile_outputs<RT, OUT>() + (int)threadIdx.x;
+    const bool holds_residual = OUT == OUT_ADD && my_tiles > 0 && (int)threadIdx.x < tile_outputs<RT, OUT>() &&
+                                first_out < outputs;
+    float residual = 0.f;
     int next_ti = 0, next_k = 0;       // the next item to load: tile index ti, chunk index k
     auto load_next = [&](int b) {
         load_item(b, (int)blockIdx.x + next_ti * (int)gridDim.x, warp + next_k * nwarps);
@@ -462,6 +469,7 @@ __global__ void __launch_bounds__(256, 2) gemv(
         prefetch_norm_weight(reinterpret_cast<float*>(xs), aux, K);
         pdl_wait();
         TI_MARK(1);
+        if (holds_residual) residual = __ldcg(y + first_out);
         stage_normed_early<WT>(xs, xs_lo, corr, x, aux, K, nchunks * CW / 8, eps, red);
         if (DEPTH - 1 < n_items) load_next(DEPTH - 1);
     } else {
@@ -470,6 +478,7 @@ __global__ void __launch_bounds__(256, 2) gemv(
             if (b < n_items) load_next(b);
         pdl_wait();
         TI_MARK(1);
+        if (holds_residual) residual = __ldcg(y + first_out);
         stage_input<WT, IN>(xs, xs_lo, corr, x, aux, K, nchunks * CW, eps, red);
     }
     __syncthreads();
@@ -518,7 +527,7 @@ __global__ void __launch_bounds__(256, 2) gemv(
                 total += part[wi * 16 * RT + slot];
                 if (OUT == OUT_SWIGLU) up += part[wi * 16 * RT + slot + 8];
             }
-            if (OUT == OUT_ADD) y[out0 + i] += total;
+            if (OUT == OUT_ADD) y[out0 + i] = (ti == 0 && i == (int)threadIdx.x ? residual : __ldcg(y + out0 + i)) + total;
             else if (OUT == OUT_SWIGLU) y[out0 + i] = total / (1.f + __expf(-total)) * up;
             else y[out0 + i] = total;
         }
