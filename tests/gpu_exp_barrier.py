@@ -1,7 +1,8 @@
 """Experiment on a GPU, run by hand (`python3 tests/gpu_exp_barrier.py`; not part of the test suite): what
 one dependent step costs as a kernel boundary inside a CUDA graph with programmatic dependent launch
-(what the decode step does now) and as a grid-wide barrier inside one persistent kernel (what a
-per-layer or per-step kernel would do instead). Each step, every block writes one value and, after
+(what the decode step does now), as a grid-wide barrier inside one persistent kernel (what a
+per-layer or per-step kernel would do instead), and as a wait for one producer block's flag (what a
+kernel with per-tile dependencies would do). Each step, every block writes one value and, after
 the step's synchronisation, reads a value another block wrote: a producer-to-consumer hand-off.
 
 Prints us per step for 132 and 264 blocks of 256 threads (one and two per SM on an H200)."""
@@ -39,6 +40,26 @@ extern "C" __global__ void barrier_steps(u32* counter, float* data, int n) {
                 asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n" : "=r"(seen) : "l"(counter) : "memory");
             } while (seen < target);
             acc += __ldcg(data + (blockIdx.x + 1) % gridDim.x);
+        }
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) data[gridDim.x + blockIdx.x] = acc;
+}
+
+// n steps in one kernel, each block waiting only for the one block whose value it reads: a flag per
+// block (release store, acquire spin), the dataflow hand-off of a kernel without grid barriers.
+extern "C" __global__ void flag_steps(u32* flags, float* data, int n) {
+    const int from = (blockIdx.x + 1) % gridDim.x;
+    float acc = 0.f;
+    for (int i = 1; i <= n; ++i) {
+        if (threadIdx.x == 0) {
+            data[blockIdx.x] = (float)i;
+            asm volatile("st.release.gpu.global.u32 [%0], %1;\n" ::"l"(flags + blockIdx.x), "r"((u32)i) : "memory");
+            u32 seen;
+            do {
+                asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n" : "=r"(seen) : "l"(flags + from) : "memory");
+            } while (seen < (u32)i);
+            acc += __ldcg(data + from);
         }
         __syncthreads();
     }
@@ -87,6 +108,22 @@ def barrier_us(module, stream, blocks: int, steps: int) -> float:
     return (whole - none) / steps
 
 
+def flag_us(module, stream, blocks: int, steps: int) -> float:
+    flags = cp.zeros(blocks, cp.uint32)
+    data = cp.zeros(2 * blocks, cp.float32)
+    kernel = module.get_function("flag_steps")
+
+    def run(n):
+        flags.fill(0)
+        kernel((blocks,), (256,), (flags, data, np.int32(n)), stream=stream)
+
+    with stream:
+        run(steps)
+        whole = timed(lambda: run(steps), stream)
+        none = timed(lambda: run(0), stream)
+    return (whole - none) / steps
+
+
 def main() -> None:
     cc = int(cp.cuda.Device().compute_capability)
     module = cp.RawModule(code=SRC, options=compile_options(cc))
@@ -97,8 +134,10 @@ def main() -> None:
             pdl = pdl_chain_us(module, stream, blocks, 200, early=True)
             plain = pdl_chain_us(module, stream, blocks, 200, early=False)
         grid = barrier_us(module, stream, blocks, 1000)
+        flag = flag_us(module, stream, blocks, 1000)
         print(f"{blocks} blocks x 256 threads, us per dependent step: graph node with PDL {pdl:.2f}, "
-              f"graph node without PDL {plain:.2f}, grid barrier in one kernel {grid:.2f}", flush=True)
+              f"graph node without PDL {plain:.2f}, grid barrier in one kernel {grid:.2f}, "
+              f"one producer's flag in one kernel {flag:.2f}", flush=True)
 
 
 if __name__ == "__main__":
