@@ -16,9 +16,9 @@ m7 partial sums reduced, m9 end (kernels/*.cu, TI_MARK); and
 With $OUT set, the raw records are saved there (timeline-SHAPE-QUANT[-twice-ROLE].npz) for offline
 analysis.
 
-`--twice ROLE` (repeatable) also times a step in which every layer's ROLE GEMV (or attention) is launched a second
-time right after the first (into a scratch output): what that kernel costs when its code, weights
-and input were just used on the same SMs.
+`--twice ROLE` (repeatable) also times a step in which every layer's ROLE GEMV (or attention) is
+launched a second time right after the first (into a scratch output): what that kernel costs when
+its code, weights and input were just used on the same SMs.
 """
 import os
 import sys
@@ -73,8 +73,9 @@ def collect(b, prompt) -> np.ndarray:
 
 
 def launches(records: np.ndarray) -> list[np.ndarray]:
-    """Records grouped by launch, in order of each launch's first block start. Blocks of one grid id
-    that start more than 20 us apart are taken as separate launches, in case graph replays reuse it."""
+    """Records grouped by launch, in order of each launch's first block start. A graph node keeps its
+    grid id over replays, so blocks of one grid id that start more than 20 us apart are separate
+    launches."""
     grids = {}
     for row in records:
         grids.setdefault(int(row[0]), []).append(row)
