@@ -169,14 +169,17 @@ def gemv_variants(b, prompt, tuning) -> None:
 # prefetching weights while the current one reads its input; later triggers keep fewer ahead.
 GEMV_TOP = ("    pdl_launch_dependents();\n    // OUT_ADD", "    // OUT_ADD", 1)
 ATT_TOP = ("    pdl_launch_dependents();\n    const int pos", "    const int pos")
+TRIGGER = "pdl_launch_dependents();\n"
+GEMV_AFTER_WAIT = ("        TI_MARK(1);\n", "        TI_MARK(1);\n        " + TRIGGER, 2)
+ATT_AFTER_WAIT = ("    TI_MARK(1);\n", "    TI_MARK(1);\n    " + TRIGGER)
 TRIGGER_VARIANTS = [   # (label, gemv.cu edits (old, new, count), attention.cu edits (old, new))
-    ("gemv triggers after its wait", [GEMV_TOP, ("        TI_MARK(1);\n", "        TI_MARK(1);\n        pdl_launch_dependents();\n", 2)], []),
-    ("gemv triggers after staging", [GEMV_TOP, ("    TI_MARK(3);", "    pdl_launch_dependents();\n    TI_MARK(3);", 1)], []),
-    ("gemv triggers after its products", [GEMV_TOP, ("        if (ti == my_tiles - 1) TI_MARK(6);",
-                                                     "        pdl_launch_dependents();\n        if (ti == my_tiles - 1) TI_MARK(6);", 1)], []),
-    ("attention triggers after its wait", [], [ATT_TOP, ("    TI_MARK(1);\n", "    TI_MARK(1);\n    pdl_launch_dependents();\n")]),
-    ("both after the wait", [GEMV_TOP, ("        TI_MARK(1);\n", "        TI_MARK(1);\n        pdl_launch_dependents();\n", 2)],
-     [ATT_TOP, ("    TI_MARK(1);\n", "    TI_MARK(1);\n    pdl_launch_dependents();\n")]),
+    ("gemv triggers after its wait", [GEMV_TOP, GEMV_AFTER_WAIT], []),
+    ("gemv triggers after staging", [GEMV_TOP, ("    TI_MARK(3);", "    " + TRIGGER + "    TI_MARK(3);", 1)], []),
+    ("gemv triggers after its products",
+     [GEMV_TOP, ("        if (ti == my_tiles - 1) TI_MARK(6);", "        " + TRIGGER + "        if (ti == my_tiles - 1) TI_MARK(6);", 1)],
+     []),
+    ("attention triggers after its wait", [], [ATT_TOP, ATT_AFTER_WAIT]),
+    ("both after the wait", [GEMV_TOP, GEMV_AFTER_WAIT], [ATT_TOP, ATT_AFTER_WAIT]),
 ]
 
 
