@@ -92,30 +92,16 @@ def pdl_chain_us(module, stream, blocks: int, steps: int, early: bool) -> float:
     return timed(lambda: graph.launch(stream), stream) / steps
 
 
-def barrier_us(module, stream, blocks: int, steps: int) -> float:
-    counter = cp.zeros(1, cp.uint32)
+def in_kernel_us(module, stream, name: str, blocks: int, steps: int) -> float:
+    """us per step of barrier_steps / flag_steps: n steps timed against none. Their synchronisation
+    words (one counter, or a flag per block) start at zero."""
+    sync = cp.zeros(blocks, cp.uint32)
     data = cp.zeros(2 * blocks, cp.float32)
-    kernel = module.get_function("barrier_steps")
+    kernel = module.get_function(name)
 
     def run(n):
-        counter.fill(0)
-        kernel((blocks,), (256,), (counter, data, np.int32(n)), stream=stream)
-
-    with stream:
-        run(steps)
-        whole = timed(lambda: run(steps), stream)
-        none = timed(lambda: run(0), stream)
-    return (whole - none) / steps
-
-
-def flag_us(module, stream, blocks: int, steps: int) -> float:
-    flags = cp.zeros(blocks, cp.uint32)
-    data = cp.zeros(2 * blocks, cp.float32)
-    kernel = module.get_function("flag_steps")
-
-    def run(n):
-        flags.fill(0)
-        kernel((blocks,), (256,), (flags, data, np.int32(n)), stream=stream)
+        sync.fill(0)
+        kernel((blocks,), (256,), (sync, data, np.int32(n)), stream=stream)
 
     with stream:
         run(steps)
@@ -133,8 +119,8 @@ def main() -> None:
         with stream:
             pdl = pdl_chain_us(module, stream, blocks, 200, early=True)
             plain = pdl_chain_us(module, stream, blocks, 200, early=False)
-        grid = barrier_us(module, stream, blocks, 1000)
-        flag = flag_us(module, stream, blocks, 1000)
+        grid = in_kernel_us(module, stream, "barrier_steps", blocks, 1000)
+        flag = in_kernel_us(module, stream, "flag_steps", blocks, 1000)
         print(f"{blocks} blocks x 256 threads, us per dependent step: graph node with PDL {pdl:.2f}, "
               f"graph node without PDL {plain:.2f}, grid barrier in one kernel {grid:.2f}, "
               f"one producer's flag in one kernel {flag:.2f}", flush=True)

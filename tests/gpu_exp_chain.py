@@ -12,6 +12,7 @@ after its PDL wait or after staging its input, or staging without reading x: upp
 each stage costs, with wrong results)."""
 import sys
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 
 import cupy as cp
@@ -76,18 +77,23 @@ def null_chain_us(backend, prompt, n_kernels, blocks, threads) -> float:
     return time_step(backend, prompt, launches)
 
 
-def run(shape: str, quant: str) -> None:
+@contextmanager
+def random_backend(shape: str, quant: str):
+    """(CUDA backend, 16-token prompt) of a random-weight model with the real shape, tuning printed."""
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / f"{shape}.tinf"
         write_random_model(path, tinf_config(SHAPES[shape]), quant, 64, reuse_layers=True)
         with load(path, device="cuda") as model:
             b = model.backend
-            prompt = bench_prompt(model, 16)
-            tuning = b.tuning
-            print(f"{shape} {quant} tuning {[(r, c.row_tiles, c.warps) for r, c in tuning.items()]}", flush=True)
-            for part in PARTS:
-                part(b, prompt, tuning)
-            b.graph = b.capture(b.step)
+            print(f"{shape} {quant} tuning {[(r, c.row_tiles, c.warps) for r, c in b.tuning.items()]}", flush=True)
+            yield b, bench_prompt(model, 16)
+
+
+def run(shape: str, quant: str) -> None:
+    with random_backend(shape, quant) as (b, prompt):
+        for part in PARTS:
+            part(b, prompt, b.tuning)
+        b.graph = b.capture(b.step)
 
 
 # (label, [(old, new), ...]): the attention kernel edited to leave a stage out or change a constant.
@@ -147,19 +153,28 @@ GEMV_VARIANTS = [   # (label, [(old, new, count), ...]) edits of gemv.cu (result
 ]
 
 
-def gemv_variants(b, prompt, tuning) -> None:
-    base = b.gemv_module
+def gemv_module(b, src: str):
+    """A gemv.cu source compiled with every instantiation the backend's step can use."""
     items = [(shape, rt) for shape in b.shapes.values() for rt, _ in gemv_k.CANDIDATES]
     expressions = sorted({gemv_k.name_expression(shape, rt) for shape, rt in items})
+    return cp.RawModule(code=src, options=compile_options(b.compute_capability), name_expressions=expressions)
+
+
+def edited_gemv(b, edits):
+    """The package's gemv.cu with (old, new, count) edits, compiled for the backend."""
+    src = expanded_source("gemv.cu")
+    for old, new, count in edits:
+        assert src.count(old) == count, f"gemv.cu changed: update the variant ({old[:40]}...)"
+        src = src.replace(old, new)
+    return gemv_module(b, src)
+
+
+def gemv_variants(b, prompt, tuning) -> None:
+    base = b.gemv_module
     whole = time_step(b, prompt, b.build_step(tuning))
     print(f"  base step {whole:.1f} us", flush=True)
     for label, edits in GEMV_VARIANTS:
-        src = expanded_source("gemv.cu")
-        for old, new, count in edits:
-            assert src.count(old) == count, f"gemv.cu changed: update the variant ({old[:40]}...)"
-            src = src.replace(old, new)
-        b.gemv_module = cp.RawModule(code=src, options=compile_options(b.compute_capability),
-                                     name_expressions=expressions)
+        b.gemv_module = edited_gemv(b, edits)
         print(f"  {label}: {time_step(b, prompt, b.build_step(tuning)) - whole:+.1f} us", flush=True)
     b.gemv_module = base
 
@@ -185,17 +200,10 @@ TRIGGER_VARIANTS = [   # (label, gemv.cu edits (old, new, count), attention.cu e
 
 def trigger_variants(b, prompt, tuning) -> None:
     base_gemv, base_attn = b.gemv_module, b.attn_module
-    items = [(shape, rt) for shape in b.shapes.values() for rt, _ in gemv_k.CANDIDATES]
-    expressions = sorted({gemv_k.name_expression(shape, rt) for shape, rt in items})
     whole = time_step(b, prompt, b.build_step(tuning))
     print(f"  base step {whole:.1f} us", flush=True)
     for label, gemv_edits, attention_edits in TRIGGER_VARIANTS:
-        src = expanded_source("gemv.cu")
-        for old, new, count in gemv_edits:
-            assert src.count(old) == count, f"gemv.cu changed: update the variant ({old[:40]}...)"
-            src = src.replace(old, new)
-        b.gemv_module = cp.RawModule(code=src, options=compile_options(b.compute_capability),
-                                     name_expressions=expressions)
+        b.gemv_module = edited_gemv(b, gemv_edits)
         b.attn_module = edited_attention(b, attention_edits, b.attn_cluster)
         print(f"  {label}: {time_step(b, prompt, b.build_step(tuning)) - whole:+.1f} us", flush=True)
     b.gemv_module, b.attn_module = base_gemv, base_attn

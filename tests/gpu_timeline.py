@@ -22,7 +22,6 @@ its code, weights and input were just used on the same SMs.
 """
 import os
 import sys
-import tempfile
 from pathlib import Path
 
 os.environ["TINYINFER_TIMELINE"] = "1"       # before any kernel is compiled
@@ -30,11 +29,10 @@ os.environ["TINYINFER_TIMELINE"] = "1"       # before any kernel is compiled
 import cupy as cp  # noqa: E402
 import numpy as np  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-from bench_random import SHAPES  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_exp_chain import random_backend  # noqa: E402
 from tinyinfer.kernels.build import Launch  # noqa: E402
-from tinyinfer.runtime import load  # noqa: E402
-from tinyinfer.runtime.bench import bench_prompt, graph_step_us, tinf_config, write_random_model  # noqa: E402
+from tinyinfer.runtime.bench import graph_step_us  # noqa: E402
 
 CAPACITY, MARKS = 1 << 17, 10       # TI_TIMELINE_CAPACITY, TI_MARKS in common.cuh
 WORDS = 2 + 2 * MARKS
@@ -170,27 +168,21 @@ def launched_twice(step: list, role: str) -> list:
 
 
 def run(shape: str, quant: str, twice: list[str]) -> None:
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / f"{shape}.tinf"
-        write_random_model(path, tinf_config(SHAPES[shape]), quant, 64, reuse_layers=True)
-        with load(path, device="cuda") as model:
-            b = model.backend
-            prompt = bench_prompt(model, 16)
-            print(f"{shape} {quant}: tuning {[(r, c.row_tiles, c.warps) for r, c in b.tuning.items()]}", flush=True)
-            for role in [None] + twice:
-                step = b.step if role is None else launched_twice(b.step, role)
-                label = "" if role is None else f"-twice-{role}"
-                if role is not None:
-                    print(f"{shape} {quant}, {role} launched twice:", flush=True)
-                b.graph = b.capture(step)
-                step_us = graph_step_us(b, prompt, 64)
-                records = collect(b, prompt)
-                names = [launch.name for launch in step]
-                report(names, records, step_us)
-                if os.environ.get("OUT"):
-                    np.savez_compressed(Path(os.environ["OUT"]) / f"timeline-{shape}-{quant}{label}.npz",
-                                        records=records, names=np.array(names), step_us=step_us)
-            b.graph = b.capture(b.step)
+    with random_backend(shape, quant) as (b, prompt):
+        for role in [None] + twice:
+            step = b.step if role is None else launched_twice(b.step, role)
+            label = "" if role is None else f"-twice-{role}"
+            if role is not None:
+                print(f"{shape} {quant}, {role} launched twice:", flush=True)
+            b.graph = b.capture(step)
+            step_us = graph_step_us(b, prompt, 64)
+            records = collect(b, prompt)
+            names = [launch.name for launch in step]
+            report(names, records, step_us)
+            if os.environ.get("OUT"):
+                np.savez_compressed(Path(os.environ["OUT"]) / f"timeline-{shape}-{quant}{label}.npz",
+                                    records=records, names=np.array(names), step_us=step_us)
+        b.graph = b.capture(b.step)
 
 
 if __name__ == "__main__":
