@@ -75,6 +75,13 @@ def device_compute_capability() -> int:
     return int(cupy.cuda.Device().compute_capability)
 
 
+def allow_shared_memory(kernel, shared_bytes: int) -> None:
+    """Raise a kernel's dynamic shared-memory limit to shared_bytes where that is above the default
+    48 KiB; never lowers it (one kernel may serve launches of several sizes)."""
+    if shared_bytes > 48 * 1024 and kernel.max_dynamic_shared_size_bytes < shared_bytes:
+        kernel.max_dynamic_shared_size_bytes = shared_bytes
+
+
 class Launch:
     """One kernel launch with everything fixed: kernel, grid, block, shared memory and arguments.
 
@@ -94,8 +101,7 @@ class Launch:
         self.args = tuple(args)
         self.shared_mem = int(shared_mem)
         self.bytes_read = int(bytes_read)   # HBM bytes the launch must read (for GB/s tables)
-        if self.shared_mem > 48 * 1024:
-            kernel.max_dynamic_shared_size_bytes = self.shared_mem
+        allow_shared_memory(kernel, self.shared_mem)
 
     def __call__(self, stream=None, early: bool = False):
         """early: with programmatic dependent launch (kernels/pdl.py), if the kernel supports it."""

@@ -12,7 +12,7 @@ import math
 
 import numpy as np
 
-from tinyinfer.kernels.build import module
+from tinyinfer.kernels.build import allow_shared_memory, module
 
 HEAD_DIMS = (64, 80, 96, 128)      # attention_prefill<HD>: a multiple of 16, at most 128
 TILE_Q = 64                        # query rows per attention block (FA_BQ)
@@ -94,8 +94,7 @@ def attention(mod, q, k_cache, v_cache, n_tokens: int, start: int, n_heads: int,
     grid = (-(-n_tokens // TILE_Q), n_heads)
     kernel = mod.get_function(attention_name(head_dim))
     shared = attention_shared_bytes(head_dim)
-    if shared > 48 * 1024 and kernel.max_dynamic_shared_size_bytes < shared:
-        kernel.max_dynamic_shared_size_bytes = shared
+    allow_shared_memory(kernel, shared)
     kernel(grid, (ATTENTION_THREADS,), (q, k_cache, v_cache, np.int32(n_tokens), np.int32(start), np.int32(n_heads),
                                         np.int32(n_kv), out), shared_mem=shared)
 
