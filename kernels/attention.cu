@@ -1,6 +1,8 @@
-// Decode attention for one layer: RoPE, KV-cache append and causal softmax(q k^T) v, in one kernel
-// (flash-decoding: the context is split over the blocks of a KV head, and each block walks its
-// slice in chunks staged in shared memory).
+// Decode attention for one layer: RoPE, KV-cache append and causal softmax(q k^T) v, in one kernel.
+// Two kernels, chosen by shape in attention.py (plan): `attention` (flash-decoding: the context is
+// split over the blocks of a KV head, and each block walks its slice in chunks staged in shared
+// memory) and, at the end of this file, `attention_rows` (a block per query head, its rows in
+// registers). The notes below up to that section are about `attention`.
 //
 // Data: qkv [(n_heads + 2 n_kv) * hd] f32 (q heads, then k, then v); k_cache / v_cache
 // [max_ctx][n_kv][hd] fp16; rope tables [max_ctx][hd/2] (rotate-half); out [n_heads * hd] f32.
@@ -457,4 +459,244 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS, 2) ATT_CLUSTER_DIMS at
     merge_slices(part_o, part_ml, kvh, group, hd, S, active, merge_w, out);
     if (threadIdx.x == 0) counters[kvh] = 0u;
 #endif
+}
+
+// ------------------------------------------------------------------------------- rows in registers
+//
+// attention_rows: the same step (RoPE, KV append, causal softmax(q k^T) v) with one block per
+// QUERY head over the whole context, grid (n_kv, group). Each K/V row is then read by the `group`
+// blocks of its KV head (from L2 after the first) instead of once per group, and in exchange
+// nothing goes through shared memory until the end, no barrier separates scores, softmax and
+// p . V, and no slices are merged (the chunked kernel above pays ~5 block-wide phases per chunk and
+// a cluster merge; for TinyLlama's 8 heads per KV head this kernel makes the step 3-4% faster,
+// BENCHMARKS.md "Eighth session"):
+// - a row belongs to a lane group of L lanes (L = hd/8 rounded up to a power of two; lane `piece`
+//   holds dims 8 piece .. 8 piece + 7, one 16-byte load of K and one of V), the rows dealt
+//   round-robin to the block's RG lane groups;
+// - each pass holds `group_rows` (<= ATT_ROW_REGS, from the host) rows per lane group in
+//   registers; the first pass's rows below pos are loaded before the PDL wait (cached rows are
+//   written by earlier steps), later passes after it;
+// - each lane group keeps its own FlashAttention state (max m and sum l in the log2 domain, 8
+//   unnormalised output dims) over its rows; the lane groups of a warp merge by shuffles, then the
+//   warps through shared memory.
+// Row pos is this step's: every block rotates k itself (no block waits for another), and the
+// block of the group's first head writes it to the cache.
+#define ATT_ROW_REGS 8          // K/V rows per lane group per pass, held in registers
+
+// One 16-byte piece of a cached K or V row, loaded before the PDL wait: rows below pos are not
+// written while this kernel runs.
+TI_DEVICE uint4 load_cached_piece(const __half* p) {
+    uint4 v;
+    asm volatile("ld.global.nc.v4.u32 {%0,%1,%2,%3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
+}
+
+// Dims 8 piece .. 8 piece + 7 of x (hd values, an activation: coherent loads) after rotate-half
+// RoPE with the tables of one position. hd is a multiple of 8, so hd/2 is one of 4 and each half
+// of the piece lies on one side of hd/2, its partners and table entries 4 contiguous, aligned
+// values: four dims at a time (which also keeps registers low).
+TI_DEVICE void rope_piece(const float* x, const float* cos_p, const float* sin_p, int hd, int piece,
+                          float (&out)[8]) {
+    const int half = hd >> 1;
+#pragma unroll
+    for (int j = 0; j < 8; j += 4) {
+        const int d = 8 * piece + j;
+        const bool lower = d < half;
+        const int i = lower ? d : d - half, partner = lower ? d + half : d - half;
+        const float sign = lower ? -1.f : 1.f;
+        const float4 a = load_activation4(x + d), b = load_activation4(x + partner);
+        const float4 c = load_activation4(cos_p + i), s = load_activation4(sin_p + i);
+        out[j] = a.x * c.x + sign * b.x * s.x;
+        out[j + 1] = a.y * c.y + sign * b.y * s.y;
+        out[j + 2] = a.z * c.z + sign * b.z * s.z;
+        out[j + 3] = a.w * c.w + sign * b.w * s.w;
+    }
+}
+
+TI_DEVICE void unpack8(float4 a, float4 b, float (&v)[8]) {
+    v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w; v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
+}
+
+TI_DEVICE uint4 pack8(const float (&v)[8]) {
+    return make_uint4(pack_half2(v[0], v[1]), pack_half2(v[2], v[3]), pack_half2(v[4], v[5]), pack_half2(v[6], v[7]));
+}
+
+// FlashAttention state (m, l, o) += (m2, l2, o2); m = -inf marks an empty state.
+TI_DEVICE void flash_merge(float& m, float& l, float (&o)[8], float m2, float l2, const float (&o2)[8]) {
+    const float top = fmaxf(m, m2);
+    const float f1 = m == -TI_INF ? 0.f : exp2f(m - top);
+    const float f2 = m2 == -TI_INF ? 0.f : exp2f(m2 - top);
+    l = l * f1 + l2 * f2;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) o[e] = o[e] * f1 + o2[e] * f2;
+    m = top;
+}
+
+extern "C" __global__ void __launch_bounds__(ATT_THREADS, 2) attention_rows(
+    const float* __restrict__ qkv,        // [(n_heads + 2 n_kv) * hd] this token's projections
+    __half* __restrict__ k_cache,         // [max_ctx][n_kv][hd] this layer
+    __half* __restrict__ v_cache,
+    const int* __restrict__ state,        // state[STATE_POS] = pos
+    const float* __restrict__ rope_cos,   // [max_ctx][hd/2]
+    const float* __restrict__ rope_sin,
+    int n_heads, int n_kv, int hd, int max_ctx,
+    int group_rows,                       // rows per lane group per pass, <= ATT_ROW_REGS
+    float* __restrict__ out)              // [n_heads * hd]
+{
+    TI_PROBE;
+    __shared__ float warp_o[ATT_THREADS / 32][256];      // each warp's state: output dims, (m, l)
+    __shared__ float warp_ml[ATT_THREADS / 32][2];
+    const int kvh = blockIdx.x, group = n_heads / n_kv, head = kvh * group + blockIdx.y;
+    const int pieces = hd >> 3;
+    int L = 1;
+    while (L < pieces) L <<= 1;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+    const int piece = threadIdx.x & (L - 1), lg = threadIdx.x / L, RG = blockDim.x / L;
+    const bool has_piece = piece < pieces;
+
+    // Lane group lg of a pass starting at row `first` holds rows first + lg + i RG, i < group_rows.
+    // Lanes past the head's pieces load its last piece; later passes clamp rows past the cache to
+    // its end (never used).
+    const u32 row_stride = (u32)(n_kv * hd);               // halves; one layer's cache < 4 G values
+    const int src_piece = min(piece, pieces - 1);
+    const __half* k_src = k_cache + kvh * hd + 8 * src_piece;
+    const __half* v_src = v_cache + kvh * hd + 8 * src_piece;
+    uint4 kr[ATT_ROW_REGS], vr[ATT_ROW_REGS];
+    auto load_rows = [&](int first) {
+#pragma unroll
+        for (int i = 0; i < ATT_ROW_REGS; ++i) {
+            if (i >= group_rows) break;
+            const u32 r = (u32)min(first + lg + i * RG, max_ctx - 1);
+            kr[i] = load_cached_piece(k_src + r * row_stride);
+            vr[i] = load_cached_piece(v_src + r * row_stride);
+        }
+    };
+    pdl_launch_dependents();
+    const int pos = state[STATE_POS], len = pos + 1;
+    // The first pass: cached rows below pos only. The wait is made to depend (by a branch no
+    // compiler can resolve, always taken) on the last row loaded: else ptxas schedules
+    // griddepcontrol.wait right after the load of pos, above these loads, whose addresses need
+    // pos (seen in the SASS; tests/test_cuda_compile.py checks it).
+    int last_loaded = -1;
+#pragma unroll
+    for (int i = 0; i < ATT_ROW_REGS; ++i) {
+        if (i >= group_rows) break;
+        const int r = lg + i * RG;
+        if (r < pos) {
+            kr[i] = load_cached_piece(k_src + (u32)r * row_stride);
+            vr[i] = load_cached_piece(v_src + (u32)r * row_stride);
+            last_loaded = r;
+        }
+    }
+    asm volatile("" : "+r"(last_loaded));                    // opaque: the branch below stays
+    if (last_loaded != (int)0x80000000) pdl_wait();
+    TI_MARK(1);
+
+    // This step's k (rotated) and v, rounded to fp16 as the cache stores them (the block of the
+    // group's first head writes them there), then q, rotated and scaled to the log2 domain.
+    // Registers are tight here (the rows' are live): ptxas issues these loads in two round trips;
+    // staging them through shared memory in one was slower (s8 run 3).
+    const float* cos_p = rope_cos + (size_t)pos * (hd >> 1);
+    const float* sin_p = rope_sin + (size_t)pos * (hd >> 1);
+    float q[8] = {};
+    uint4 k_new = make_uint4(0u, 0u, 0u, 0u), v_new = k_new;
+    if (has_piece) {
+        float kv[8];
+        rope_piece(qkv + (size_t)(n_heads + kvh) * hd, cos_p, sin_p, hd, piece, kv);
+        k_new = pack8(kv);
+        const float* v_now = qkv + (size_t)(n_heads + n_kv + kvh) * hd + 8 * piece;
+        unpack8(load_activation4(v_now), load_activation4(v_now + 4), kv);
+        v_new = pack8(kv);
+        if (blockIdx.y == 0) {
+            *reinterpret_cast<uint4*>(k_cache + (size_t)pos * row_stride + kvh * hd + 8 * piece) = k_new;
+            *reinterpret_cast<uint4*>(v_cache + (size_t)pos * row_stride + kvh * hd + 8 * piece) = v_new;
+        }
+        rope_piece(qkv + (size_t)head * hd, cos_p, sin_p, hd, piece, q);
+        const float q_scale = 1.4426950408889634f * rsqrtf((float)hd);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) q[e] *= q_scale;
+    }
+    // Row pos into its register slot, in whichever pass holds it.
+    auto place_new_row = [&](int first) {
+#pragma unroll
+        for (int i = 0; i < ATT_ROW_REGS; ++i)
+            if (i < group_rows && pos == first + lg + i * RG) {
+                kr[i] = k_new;
+                vr[i] = v_new;
+            }
+    };
+    place_new_row(0);
+    TI_TOUCH(__float_as_uint(q[0]));
+    TI_MARK(2);                                                   // q has landed (thread 0)
+
+    float m = -TI_INF, l = 0.f, o[8] = {};
+    for (int first = 0; first < len; first += group_rows * RG) {
+        if (first != 0) {
+            load_rows(first);
+            place_new_row(first);
+        }
+        float sc[ATT_ROW_REGS];
+#pragma unroll
+        for (int i = 0; i < ATT_ROW_REGS; ++i) {
+            const int r = i < group_rows ? first + lg + i * RG : len;
+            float dot = 0.f;
+            if (has_piece && r < len) {
+                float kf[8];
+                unpack8(kr[i], kf);
+#pragma unroll
+                for (int e = 0; e < 8; ++e) dot = fmaf(q[e], kf[e], dot);
+            }
+            for (int off = 1; off < L; off <<= 1) dot += __shfl_xor_sync(0xffffffffu, dot, off);
+            sc[i] = r < len ? dot : -TI_INF;
+        }
+        float top = m;
+#pragma unroll
+        for (int i = 0; i < ATT_ROW_REGS; ++i) top = fmaxf(top, sc[i]);
+        if (top == -TI_INF) continue;                             // this lane group has no rows here
+        const float corr = m == -TI_INF ? 0.f : exp2f(m - top);
+        l *= corr;
+#pragma unroll
+        for (int e = 0; e < 8; ++e) o[e] *= corr;
+#pragma unroll
+        for (int i = 0; i < ATT_ROW_REGS; ++i) {
+            if (sc[i] == -TI_INF) continue;
+            const float p = exp2f(sc[i] - top);
+            l += p;
+            if (!has_piece) continue;
+            float vf[8];
+            unpack8(vr[i], vf);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) o[e] = fmaf(p, vf[e], o[e]);
+        }
+        m = top;
+    }
+    TI_MARK(3);                                                   // the rows done (thread 0's lane group)
+
+    // Lane groups of a warp, then the warps.
+    for (int off = L; off < 32; off <<= 1) {
+        float o2[8];
+        const float m2 = __shfl_xor_sync(0xffffffffu, m, off), l2 = __shfl_xor_sync(0xffffffffu, l, off);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) o2[e] = __shfl_xor_sync(0xffffffffu, o[e], off);
+        flash_merge(m, l, o, m2, l2, o2);
+    }
+    if (lane < L && has_piece)
+#pragma unroll
+        for (int e = 0; e < 8; ++e) warp_o[warp][8 * piece + e] = o[e];
+    if (lane == 0) {
+        warp_ml[warp][0] = m;
+        warp_ml[warp][1] = l;
+    }
+    __syncthreads();
+    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+        float top = -TI_INF;
+        for (int w = 0; w < nwarps; ++w) top = fmaxf(top, warp_ml[w][0]);
+        float num = 0.f, den = 0.f;
+        for (int w = 0; w < nwarps; ++w) {
+            const float f = warp_ml[w][0] == -TI_INF ? 0.f : exp2f(warp_ml[w][0] - top);
+            num += warp_o[w][d] * f;
+            den += warp_ml[w][1] * f;
+        }
+        out[(size_t)head * hd + d] = num / den;
+    }
 }

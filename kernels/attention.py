@@ -1,6 +1,15 @@
-"""Launching the decode attention kernel of attention.cu, and its NumPy reference."""
+"""Launching the decode attention kernels of attention.cu, and their NumPy reference.
+
+Two kernels, chosen by shape (`plan`): `attention_rows` (a block per query head, the cached rows in
+registers) for groups of at least ROWS_MIN_GROUP query heads per KV head, else `attention` (a
+block per KV head and context slice, chunks staged in shared memory, every row read once per
+group, the slices merged).
+"""
 
 from __future__ import annotations
+
+import os
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -14,6 +23,9 @@ STAGE_HALVES = 4096   # ATT_STAGE_HALVES
 MAX_ITEMS = 4         # ATT_MAX_ITEMS
 CLUSTER_SIZE = 8      # ATT_CLUSTER_SIZE
 CLUSTER_MIN_COMPUTE_CAPABILITY = 90   # thread-block clusters (ATT_USE_CLUSTER)
+ROW_REGS = 8          # ATT_ROW_REGS: K/V rows a lane group of attention_rows holds in registers
+PASS_ROWS = 256       # attention_rows: rows a block holds per pass (about)
+ROWS_MIN_GROUP = 8    # attention_rows serves groups of at least this many query heads per KV head
 
 
 def uses_cluster(compute_capability: int) -> bool:
@@ -39,6 +51,43 @@ def n_slices(n_kv_heads: int, max_context: int, n_sms: int, cluster: bool) -> in
         return CLUSTER_SIZE
     most = -(-max_context // MIN_SLICE)
     return max(1, min(most, -(-2 * n_sms // n_kv_heads)))
+
+
+def rows_per_lane_group(head_dim: int, threads: int) -> int:
+    """attention_rows: K/V rows each lane group holds per pass, so that a pass covers about
+    PASS_ROWS rows (the first pass's go out before the PDL wait)."""
+    lanes = 1
+    while lanes < head_dim // 8:
+        lanes *= 2
+    return max(1, min(ROW_REGS, -(-PASS_ROWS // (threads // lanes))))
+
+
+@dataclass(frozen=True)
+class AttentionPlan:
+    kernel: str       # "attention_rows" or "attention"
+    cluster: bool     # the module is compiled with thread-block clusters (ATT_USE_CLUSTER)
+    slices: int       # blocks per KV head
+    threads: int      # per block
+
+
+def plan(n_heads: int, n_kv_heads: int, head_dim: int, max_context: int, n_sms: int, compute_capability: int,
+         kernel: str | None = None) -> AttentionPlan:
+    """The kernel for a shape. attention_rows (a block per query head) for groups of at least
+    ROWS_MIN_GROUP query heads per KV head: on an H200, TinyLlama's decode (8 per KV head) is 3-4%
+    faster with it than with the chunked kernel. With one head per KV head (Llama-2-7B) a block per
+    head leaves most SMs idle; a variant of attention_rows that also split the context and merged
+    in clusters was 1.7% slower there than the chunked kernel (BENCHMARKS.md, eighth session).
+    kernel ("rows" / "chunked") forces one; so does TINYINFER_ATTENTION (for measurements)."""
+    kernel = kernel or os.environ.get("TINYINFER_ATTENTION") or None
+    if kernel not in (None, "rows", "chunked"):
+        raise ValueError(f"unknown attention kernel {kernel!r} (rows or chunked)")
+    group = n_heads // n_kv_heads
+    if kernel == "rows" or (kernel is None and group >= ROWS_MIN_GROUP):
+        slices, cluster, name = group, False, "attention_rows"
+    else:
+        cluster = uses_cluster(compute_capability)
+        slices, name = n_slices(n_kv_heads, max_context, n_sms, cluster), "attention"
+    return AttentionPlan(name, cluster, slices, threads_for(n_heads, n_kv_heads, head_dim, slices, n_sms))
 
 
 def check_shape(n_heads: int, n_kv_heads: int, head_dim: int, threads: int = MAX_THREADS) -> None:
@@ -68,12 +117,22 @@ def compile_attention(compute_capability: int, cluster: bool):
 
 
 def make_attention(mod, n_heads: int, n_kv_heads: int, head_dim: int, slices: int, threads: int, qkv, k_cache,
-                   v_cache, state, rope_cos, rope_sin, part_o, part_ml, counters, out, kv_bytes: int = 0) -> Launch:
+                   v_cache, state, rope_cos, rope_sin, part_o, part_ml, counters, out, kv_bytes: int = 0,
+                   kernel: str = "attention") -> Launch:
     """One layer's attention. k_cache/v_cache: this layer's [max_context, n_kv, head_dim] fp16 views;
-    part_o/part_ml/counters serve the global merge (GPUs before Hopper)."""
+    part_o/part_ml/counters serve the chunked kernel's global merge (GPUs before Hopper).
+    kernel "attention_rows" (see plan) takes a block per query head and none of the merge buffers."""
     check_shape(n_heads, n_kv_heads, head_dim, threads)
-    args = (qkv, k_cache, v_cache, state, rope_cos, rope_sin, np.int32(n_heads), np.int32(n_kv_heads),
-            np.int32(head_dim), part_o, part_ml, counters, out)
+    head_args = (np.int32(n_heads), np.int32(n_kv_heads), np.int32(head_dim))
+    if kernel == "attention_rows":
+        if slices != n_heads // n_kv_heads:
+            raise ValueError(f"attention_rows runs a block per query head: {n_heads // n_kv_heads} per KV head, "
+                             f"not {slices}")
+        args = (qkv, k_cache, v_cache, state, rope_cos, rope_sin, *head_args, np.int32(k_cache.shape[0]),
+                np.int32(rows_per_lane_group(head_dim, threads)), out)
+        return Launch("attention", mod.get_function(kernel), (n_kv_heads, slices), (threads,), args, 0,
+                      bytes_read=kv_bytes, waits=True)
+    args = (qkv, k_cache, v_cache, state, rope_cos, rope_sin, *head_args, part_o, part_ml, counters, out)
     return Launch("attention", mod.get_function("attention"), (n_kv_heads, slices), (threads,), args,
                   shared_bytes(n_heads, n_kv_heads, head_dim, slices, threads), bytes_read=kv_bytes, waits=True)
 

@@ -97,9 +97,10 @@ class CudaBackend(Backend):
             attn_k.check_shape(self.n_heads, self.n_kv, self.head_dim)      # at MAX_THREADS
         except ValueError as e:
             raise DeviceError(f"The CUDA attention kernel cannot run this model: {e}; run with --device cpu.") from None
-        self.attn_cluster = attn_k.uses_cluster(self.compute_capability)
-        self.slices = attn_k.n_slices(self.n_kv, self.max_context, self.n_sms, self.attn_cluster)
-        self.attn_threads = attn_k.threads_for(self.n_heads, self.n_kv, self.head_dim, self.slices, self.n_sms)
+        self.attn_plan = attn_k.plan(self.n_heads, self.n_kv, self.head_dim, self.max_context, self.n_sms,
+                                     self.compute_capability)
+        self.attn_cluster, self.slices = self.attn_plan.cluster, self.attn_plan.slices
+        self.attn_threads = self.attn_plan.threads
         self.plan = memory_plan(data_extent(tinf_file), self.kv_bytes(), self.scratch_bytes(),
                                 cp.cuda.Device().mem_info[0])
         check_plan(self.plan, self.max_context)
@@ -222,7 +223,7 @@ class CudaBackend(Backend):
         for shape in self.shapes.values():
             for rt, _ in gemv_k.CANDIDATES:
                 self.gemv_module.get_function(gemv_k.name_expression(shape, rt))
-        self.attn_module.get_function("attention")
+        self.attn_module.get_function(self.attn_plan.kernel)
         self.misc_module.get_function("embed")
         self.sample_module.get_function("sample_token")
 
@@ -250,7 +251,7 @@ class CudaBackend(Backend):
         return attn_k.make_attention(
             self.attn_module, self.n_heads, self.n_kv, self.head_dim, self.slices, self.attn_threads, self.qkv,
             self.k_cache[layer], self.v_cache[layer], self.state, self.rope_cos, self.rope_sin,
-            self.part_o, self.part_ml, self.counters, self.attn, kv_bytes=2 * kv_row_bytes)
+            self.part_o, self.part_ml, self.counters, self.attn, kv_bytes=2 * kv_row_bytes, kernel=self.attn_plan.kernel)
 
     def embed_launch(self):
         info = self.tinf.info("tok_embeddings")
@@ -346,9 +347,9 @@ class CudaBackend(Backend):
     def describe(self) -> str:
         lines = [f"cuda backend: {self.gpu_name} (sm_{self.compute_capability}, {self.n_sms} SMs), "
                  f"{len(self.step)} kernels per token in one CUDA graph "
-                 f"({'with' if self.pdl else 'without'} programmatic dependent launch), attention over "
-                 f"{self.slices} slices of {self.attn_threads} threads merged "
-                 f"{'in thread-block clusters' if self.attn_cluster else 'in global memory'}",
+                 f"({'with' if self.pdl else 'without'} programmatic dependent launch), attention "
+                 f"{self.attn_plan.kernel} ({self.slices} blocks of {self.attn_threads} threads per KV head"
+                 f"{', in thread-block clusters' if self.attn_cluster else ''})",
                  f"load {self.timings['load_s']:.2f} s (upload {self.timings['upload_s']:.2f} s, compile "
                  f"{self.timings['compile_s']:.2f} s, tune {self.timings['tune_s']:.2f} s [{self.tuning_source}], "
                  f"capture {self.timings['capture_s']:.2f} s)"]

@@ -123,10 +123,17 @@ def with_slices(b, slices):
 
 
 def source_variants(b, prompt, tuning) -> None:
-    base_attn, base_slices, base_threads = b.attn_module, b.slices, b.attn_threads
+    """Edits of the chunked attention kernel (forced for the measurement: TinyLlama's plan is
+    attention_rows) and its merge variants, against the step as planned."""
+    base_attn, base_slices, base_threads, base_plan = b.attn_module, b.slices, b.attn_threads, b.attn_plan
     whole = time_step(b, prompt, b.build_step(tuning))
-    print(f"  base step {whole:.1f} us (attention: {b.attn_threads} threads, merged "
+    print(f"  base step {whole:.1f} us (attention: {b.attn_plan.kernel}, {b.attn_threads} threads, "
           f"{'in clusters' if b.attn_cluster else 'in global memory'})", flush=True)
+    b.attn_plan = attn_k.plan(b.n_heads, b.n_kv, b.head_dim, b.max_context, b.n_sms, b.compute_capability, "chunked")
+    b.attn_cluster, b.attn_threads = b.attn_plan.cluster, b.attn_plan.threads
+    with_slices(b, b.attn_plan.slices)
+    b.attn_module = edited_attention(b, [], b.attn_cluster)
+    print(f"  chunked kernel: {time_step(b, prompt, b.build_step(tuning)) - whole:+.1f} us", flush=True)
     for label, edits in attention_variants(b.attn_cluster):
         b.attn_module = edited_attention(b, edits, b.attn_cluster)
         print(f"  {label}: {time_step(b, prompt, b.build_step(tuning)) - whole:+.1f} us", flush=True)
@@ -136,7 +143,7 @@ def source_variants(b, prompt, tuning) -> None:
             with_slices(b, attn_k.n_slices(b.n_kv, b.max_context, b.n_sms, cluster))
             us = time_step(b, prompt, b.build_step(tuning)) - whole
             print(f"  {threads} threads, {'cluster' if cluster else 'global'} merge: {us:+.1f} us", flush=True)
-    b.attn_threads = base_threads
+    b.attn_threads, b.attn_plan, b.attn_cluster = base_threads, base_plan, base_plan.cluster
     b.attn_module = base_attn
     with_slices(b, base_slices)
 

@@ -141,6 +141,29 @@ def test_attention_reference_matches_the_numpy_backend_math():
     assert attn_k.threads_for(64, 1, 128, 200, 132) == 256      # 64 heads x 128 dims need 256 threads
 
 
+def test_attention_plan_picks_the_kernel_by_shape(monkeypatch):
+    monkeypatch.delenv("TINYINFER_ATTENTION", raising=False)
+    plan = attn_k.plan
+    # TinyLlama: 8 query heads per KV head, a block per query head on any GPU.
+    assert plan(32, 4, 64, 2048, 132, 90) == attn_k.AttentionPlan("attention_rows", False, 8, 256)
+    assert plan(32, 4, 64, 2048, 132, 80) == attn_k.AttentionPlan("attention_rows", False, 8, 256)
+    assert plan(64, 1, 128, 2048, 132, 90) == attn_k.AttentionPlan("attention_rows", False, 64, 256)
+    # Llama-2-7B (one head per KV head) and small groups: the chunked kernel, merged in clusters on Hopper.
+    assert plan(32, 32, 128, 4096, 132, 90) == attn_k.AttentionPlan("attention", True, 8, 128)
+    assert plan(32, 32, 128, 4096, 132, 86).kernel == "attention"
+    assert plan(12, 3, 64, 2048, 132, 90).kernel == "attention"
+    assert plan(32, 4, 64, 2048, 132, 90, "chunked") == attn_k.AttentionPlan("attention", True, 8, 256)
+    assert plan(32, 32, 128, 4096, 132, 90, "rows") == attn_k.AttentionPlan("attention_rows", False, 1, 256)
+    monkeypatch.setenv("TINYINFER_ATTENTION", "chunked")
+    assert plan(32, 4, 64, 2048, 132, 90).kernel == "attention"
+    with pytest.raises(ValueError):
+        plan(32, 4, 64, 2048, 132, 90, "fast")
+    # Rows a lane group holds per pass: about PASS_ROWS per block.
+    assert attn_k.rows_per_lane_group(64, 256) == 8        # 32 lane groups of 8 lanes
+    assert attn_k.rows_per_lane_group(128, 256) == 8       # 16 lane groups of 16 lanes: 128 rows a pass
+    assert attn_k.rows_per_lane_group(8, 128) == 2         # 128 lane groups of one lane
+
+
 def test_attention_shape_limits():
     attn_k.check_shape(32, 4, 64)
     attn_k.check_shape(64, 8, 128)

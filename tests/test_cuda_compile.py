@@ -81,11 +81,13 @@ CUOBJDUMP = os.environ.get("CUOBJDUMP") or shutil.which("cuobjdump") or (
 # Global loads each kernel launched with programmatic dependent launch may issue before
 # griddepcontrol.wait (SASS ACQBULK), with how many of each at most: GEMVs stream weights past L1
 # (load_stream) and their fp16 scales; attention reads the position (one 32-bit load, written two
-# kernels back) and copies cached K/V rows; the sampler nothing. Anything else there reads an
-# activation before the previous kernel has written it.
+# kernels back) and copies cached K/V rows into shared memory (attention) or loads them into
+# registers (attention_rows: 16-byte ld.global.nc; its activations go through ld.global.cg, and
+# the chunked kernel reads none 16 bytes at a time); the sampler nothing. Anything else there reads
+# an activation before the previous kernel has written it.
 PRE_WAIT_LOADS = {
     "gemv.cu": {"LDG.E.NA.128.CONSTANT": None, "LDG.E.U16.CONSTANT": None},
-    "attention.cu": {"LDG.E.CONSTANT": 1, "LDGSTS.E.BYPASS.128": None},
+    "attention.cu": {"LDG.E.CONSTANT": 1, "LDGSTS.E.BYPASS.128": None, "LDG.E.128.CONSTANT": None},
     "sampling.cu": {},
 }
 
@@ -128,6 +130,23 @@ def test_no_activation_is_read_before_the_pdl_wait(kernel_dir, name):
             assert load in allowed, f"{function} issues {load} before griddepcontrol.wait"
             limit = allowed[load]
             assert limit is None or loads.count(load) <= limit, f"{function}: {loads.count(load)} x {load} before the wait"
+
+
+@pytest.mark.skipif(NVCC is None or CUOBJDUMP is None, reason="needs nvcc and cuobjdump")
+def test_attention_rows_loads_cached_rows_before_the_pdl_wait(kernel_dir):
+    """attention_rows exists to have its first pass of K/V rows in flight while the previous kernel
+    runs. ptxas placed griddepcontrol.wait above those loads when their addresses depended on the
+    position (loaded first), silently: the kernel stayed correct, only slower. So the machine code
+    must show every first-pass load (K and V, ATT_ROW_REGS rows each) before the wait."""
+    source = kernel_dir / "check_rows_attention.cu"
+    source.write_text(wrapper("attention.cu"))
+    cubin = kernel_dir / "attention.rows.cubin"
+    subprocess.run([NVCC, "-std=c++17", "-arch=sm_90a", "-cubin", "-I", str(kernel_dir), "-o", str(cubin), str(source)],
+                   check=True, capture_output=True, timeout=600)
+    sass = subprocess.run([CUOBJDUMP, "-sass", str(cubin)], check=True, capture_output=True, text=True).stdout
+    loads, waits = loads_before_wait(sass)["attention_rows"]
+    rows = int(re.search(r"#define ATT_ROW_REGS (\d+)", source_text("attention.cu")).group(1))
+    assert waits and loads.count("LDG.E.128.CONSTANT") == 2 * rows, loads
 
 
 def nvrtc_and_headers():

@@ -151,26 +151,29 @@ ATTENTION_SHAPES = {   # (n_heads, n_kv_heads, head_dim)
 @pytest.mark.parametrize("name", list(ATTENTION_SHAPES))
 @pytest.mark.parametrize("cluster", [True, False], ids=["cluster-merge", "global-merge"])
 @pytest.mark.parametrize("threads", [128, 256])
-def test_attention_matches_reference(cupy_gpu, cc, name, cluster, threads):
-    """Both slice merges (in a thread-block cluster on Hopper and newer, in global memory) and both
-    block sizes, whichever the backend would pick for the shape."""
+@pytest.mark.parametrize("kernel", ["attention", "attention_rows"])
+def test_attention_matches_reference(cupy_gpu, cc, name, cluster, threads, kernel):
+    """Both kernels (attention_rows on every shape, though the backend picks it for large groups
+    only); for the chunked one both slice merges (in a thread-block cluster on Hopper and newer, in
+    global memory); both block sizes, whichever the backend would pick for the shape."""
     cp = cupy_gpu
     if cluster and cc < attn_k.CLUSTER_MIN_COMPUTE_CAPABILITY:
         pytest.skip("thread-block clusters need compute capability 9.0")
+    if cluster and kernel == "attention_rows":
+        pytest.skip("attention_rows merges nothing")
     n_heads, n_kv, hd = ATTENTION_SHAPES[name]
     try:
         attn_k.check_shape(n_heads, n_kv, hd, threads)
     except ValueError:
         pytest.skip(f"{name} needs more than {threads} threads")
-    n_heads, n_kv, hd = ATTENTION_SHAPES[name]
     max_ctx = 1100
     scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 256} if name == "odd" else None
     cos, sin = ref.rope_tables(hd, max_ctx, 10000.0, scaling)
     mod = attn_k.compile_attention(cc, cluster)
     sms = cp.cuda.runtime.getDeviceProperties(0)["multiProcessorCount"]
-    slices = attn_k.n_slices(n_kv, max_ctx, sms, cluster)
-    rng = np.random.default_rng(len(name) + 2 * cluster + threads)
+    slices = n_heads // n_kv if kernel == "attention_rows" else attn_k.n_slices(n_kv, max_ctx, sms, cluster)
+    rng = np.random.default_rng(len(name) + 2 * cluster + threads + len(kernel))
     for pos in [0, 1, 31, 32, 33, 200, 1099]:
         cache_k = rng.standard_normal((max_ctx, n_kv, hd)).astype(np.float16)
         cache_v = rng.standard_normal((max_ctx, n_kv, hd)).astype(np.float16)
@@ -183,7 +186,7 @@ def test_attention_matches_reference(cupy_gpu, cc, name, cluster, threads):
         launch = attn_k.make_attention(
             mod, n_heads, n_kv, hd, slices, threads, cp.asarray(qkv), k_dev, v_dev, cp.asarray(np.array([pos, 0, 0, 0], np.int32)),
             cp.asarray(cos), cp.asarray(sin), cp.zeros(n_heads * slices * hd, cp.float32),
-            cp.zeros(n_heads * slices * 2, cp.float32), counters, out)
+            cp.zeros(n_heads * slices * 2, cp.float32), counters, out, kernel=kernel)
         expected, k_row, v_row = attn_k.attention_reference(qkv, cache_k.astype(np.float32),
                                                             cache_v.astype(np.float32), pos, n_heads, n_kv, hd, cos, sin)
         for repeat in range(2):                   # the merge counters must be back at zero
