@@ -468,7 +468,7 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS, 2) ATT_CLUSTER_DIMS at
 // blocks of its KV head (from L2 after the first) instead of once per group, and in exchange
 // nothing goes through shared memory until the end, no barrier separates scores, softmax and
 // p . V, and no slices are merged (the chunked kernel above pays ~5 block-wide phases per chunk and
-// a cluster merge; for TinyLlama's 8 heads per KV head this kernel makes the step 3-4% faster,
+// a cluster merge; for TinyLlama's 8 heads per KV head this kernel makes the step ~5% faster,
 // BENCHMARKS.md "Eighth session"):
 // - a row belongs to a lane group of L lanes (L = hd/8 rounded up to a power of two; lane `piece`
 //   holds dims 8 piece .. 8 piece + 7, one 16-byte load of K and one of V), the rows dealt
@@ -593,9 +593,10 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS, 2) attention_rows(
     TI_MARK(1);
 
     // This step's k (rotated) and v, rounded to fp16 as the cache stores them (the block of the
-    // group's first head writes them there), then q, rotated and scaled to the log2 domain.
-    // Registers are tight here (the rows' are live): ptxas issues these loads in two round trips;
-    // staging them through shared memory in one was slower (s8 run 3).
+    // group's first head writes them there, last), and q, rotated and scaled to the log2 domain:
+    // their loads go out together, one round trip (with the cache store before the q loads, ptxas
+    // kept those below it: two round trips, s8 run 5; staging them through shared memory was
+    // slower still, s8 run 3).
     const float* cos_p = rope_cos + (size_t)pos * (hd >> 1);
     const float* sin_p = rope_sin + (size_t)pos * (hd >> 1);
     float q[8] = {};
@@ -607,14 +608,14 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS, 2) attention_rows(
         const float* v_now = qkv + (size_t)(n_heads + n_kv + kvh) * hd + 8 * piece;
         unpack8(load_activation4(v_now), load_activation4(v_now + 4), kv);
         v_new = pack8(kv);
-        if (blockIdx.y == 0) {
-            *reinterpret_cast<uint4*>(k_cache + (size_t)pos * row_stride + kvh * hd + 8 * piece) = k_new;
-            *reinterpret_cast<uint4*>(v_cache + (size_t)pos * row_stride + kvh * hd + 8 * piece) = v_new;
-        }
         rope_piece(qkv + (size_t)head * hd, cos_p, sin_p, hd, piece, q);
         const float q_scale = 1.4426950408889634f * rsqrtf((float)hd);
 #pragma unroll
         for (int e = 0; e < 8; ++e) q[e] *= q_scale;
+        if (blockIdx.y == 0) {
+            *reinterpret_cast<uint4*>(k_cache + (size_t)pos * row_stride + kvh * hd + 8 * piece) = k_new;
+            *reinterpret_cast<uint4*>(v_cache + (size_t)pos * row_stride + kvh * hd + 8 * piece) = v_new;
+        }
     }
     // Row pos into its register slot, in whichever pass holds it.
     auto place_new_row = [&](int first) {

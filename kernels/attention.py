@@ -73,7 +73,7 @@ class AttentionPlan:
 def plan(n_heads: int, n_kv_heads: int, head_dim: int, max_context: int, n_sms: int, compute_capability: int,
          kernel: str | None = None) -> AttentionPlan:
     """The kernel for a shape. attention_rows (a block per query head) for groups of at least
-    ROWS_MIN_GROUP query heads per KV head: on an H200, TinyLlama's decode (8 per KV head) is 3-4%
+    ROWS_MIN_GROUP query heads per KV head: on an H200, TinyLlama's decode (8 per KV head) is ~5%
     faster with it than with the chunked kernel. With one head per KV head (Llama-2-7B) a block per
     head leaves most SMs idle; a variant of attention_rows that also split the context and merged
     in clusters was 1.7% slower there than the chunked kernel (BENCHMARKS.md, eighth session).
