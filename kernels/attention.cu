@@ -513,10 +513,6 @@ TI_DEVICE void rope_piece(const float* x, const float* cos_p, const float* sin_p
     }
 }
 
-TI_DEVICE void unpack8(float4 a, float4 b, float (&v)[8]) {
-    v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w; v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
-}
-
 TI_DEVICE uint4 pack8(const float (&v)[8]) {
     return make_uint4(pack_half2(v[0], v[1]), pack_half2(v[2], v[3]), pack_half2(v[4], v[5]), pack_half2(v[6], v[7]));
 }

@@ -23,6 +23,11 @@ TI_DEVICE u32 pack_half2(float lo, float hi) {
     return as_u32(__floats2half2_rn(lo, hi));
 }
 
+// Two float4 into eight floats.
+TI_DEVICE void unpack8(float4 a, float4 b, float (&v)[8]) {
+    v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w; v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
+}
+
 TI_DEVICE float warp_sum(float v) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);

@@ -118,10 +118,6 @@ __device__ __forceinline__ float stage_value(const float* __restrict__ x, const 
     return x[k] * scale * aux[k];
 }
 
-__device__ __forceinline__ void unpack8(float4 a, float4 b, float (&v)[8]) {
-    v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w; v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
-}
-
 // Eight floats (x or the norm weight) with plain loads, after the PDL wait.
 __device__ __forceinline__ void load8(const float* p, float (&v)[8]) {
     unpack8(*reinterpret_cast<const float4*>(p), *reinterpret_cast<const float4*>(p + 4), v);
