@@ -347,9 +347,9 @@ class CudaBackend(Backend):
     def describe(self) -> str:
         lines = [f"cuda backend: {self.gpu_name} (sm_{self.compute_capability}, {self.n_sms} SMs), "
                  f"{len(self.step)} kernels per token in one CUDA graph "
-                 f"({'with' if self.pdl else 'without'} programmatic dependent launch), attention "
-                 f"{self.attn_plan.kernel} ({self.slices} blocks of {self.attn_threads} threads per KV head"
-                 f"{', in thread-block clusters' if self.attn_cluster else ''})",
+                 f"({'with' if self.pdl else 'without'} programmatic dependent launch), attention kernel "
+                 f"{self.attn_plan.kernel}: {self.slices} blocks of {self.attn_threads} threads per KV head"
+                 f"{' in thread-block clusters' if self.attn_cluster else ''}",
                  f"load {self.timings['load_s']:.2f} s (upload {self.timings['upload_s']:.2f} s, compile "
                  f"{self.timings['compile_s']:.2f} s, tune {self.timings['tune_s']:.2f} s [{self.tuning_source}], "
                  f"capture {self.timings['capture_s']:.2f} s)"]
