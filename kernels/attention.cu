@@ -643,9 +643,19 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS, 2) attention_rows(
 #pragma unroll
                 for (int e = 0; e < 8; ++e) dot = fmaf(q[e], kf[e], dot);
             }
-            for (int off = 1; off < L; off <<= 1) dot += __shfl_xor_sync(0xffffffffu, dot, off);
-            sc[i] = r < len ? dot : -TI_INF;
+            sc[i] = dot;
         }
+        // The lane group's sums, one shuffle level for all rows at a time: the rows' shuffles are
+        // independent, so they overlap instead of forming one chain per row.
+#pragma unroll
+        for (int off = 1; off < 32; off <<= 1) {
+            if (off >= L) break;
+#pragma unroll
+            for (int i = 0; i < ATT_ROW_REGS; ++i) sc[i] += __shfl_xor_sync(0xffffffffu, sc[i], off);
+        }
+#pragma unroll
+        for (int i = 0; i < ATT_ROW_REGS; ++i)
+            if ((i < group_rows ? first + lg + i * RG : len) >= len) sc[i] = -TI_INF;
         float top = m;
 #pragma unroll
         for (int i = 0; i < ATT_ROW_REGS; ++i) top = fmaxf(top, sc[i]);
@@ -670,7 +680,9 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS, 2) attention_rows(
     TI_MARK(3);                                                   // the rows done (thread 0's lane group)
 
     // Lane groups of a warp, then the warps.
-    for (int off = L; off < 32; off <<= 1) {
+#pragma unroll
+    for (int off = 1; off < 32; off <<= 1) {
+        if (off < L) continue;
         float o2[8];
         const float m2 = __shfl_xor_sync(0xffffffffu, m, off), l2 = __shfl_xor_sync(0xffffffffu, l, off);
 #pragma unroll
@@ -686,10 +698,15 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS, 2) attention_rows(
     }
     __syncthreads();
     for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+        // Unrolled over the most warps a block has, so the shared-memory reads go out together.
         float top = -TI_INF;
-        for (int w = 0; w < nwarps; ++w) top = fmaxf(top, warp_ml[w][0]);
+#pragma unroll
+        for (int w = 0; w < ATT_THREADS / 32; ++w)
+            if (w < nwarps) top = fmaxf(top, warp_ml[w][0]);
         float num = 0.f, den = 0.f;
-        for (int w = 0; w < nwarps; ++w) {
+#pragma unroll
+        for (int w = 0; w < ATT_THREADS / 32; ++w) {
+            if (w >= nwarps) break;
             const float f = warp_ml[w][0] == -TI_INF ? 0.f : exp2f(warp_ml[w][0] - top);
             num += warp_o[w][d] * f;
             den += warp_ml[w][1] * f;

@@ -35,8 +35,7 @@ __device__ __forceinline__ ArgBest better(ArgBest a, ArgBest b) {   // larger va
     return a;
 }
 
-__device__ ArgBest block_argmax(ArgBest v, ArgBest* scratch) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+__device__ __forceinline__ ArgBest warp_argmax(ArgBest v) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) {
         ArgBest other;
@@ -44,12 +43,18 @@ __device__ ArgBest block_argmax(ArgBest v, ArgBest* scratch) {
         other.index = __shfl_xor_sync(0xffffffffu, v.index, o);
         v = better(v, other);
     }
+    return v;
+}
+
+// Every thread gets the block's best: each warp's best into scratch, then every warp reduces the
+// (at most 32) entries by shuffles, which is shorter than a serial scan of them.
+__device__ ArgBest block_argmax(ArgBest v, ArgBest* scratch) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    v = warp_argmax(v);
     __syncthreads();
     if (lane == 0) scratch[warp] = v;
     __syncthreads();
-    ArgBest best = scratch[0];
-    for (int w = 1; w < (int)(blockDim.x >> 5); ++w) best = better(best, scratch[w]);
-    return best;
+    return warp_argmax(lane < (int)(blockDim.x >> 5) ? scratch[lane] : ArgBest{-TI_INF, 0x7fffffff});
 }
 
 __device__ double block_sum_f64(double v, double* scratch) {
