@@ -165,9 +165,19 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_token(
     // 1. repetition penalty, 2. greedy, 3. temperature (values kept in xs for later passes).
     ArgBest best = {-TI_INF, 0x7fffffff};
     if (temperature == 0.0 && !penalise && (vocab & 3) == 0) {
-        // Plain greedy: an argmax with 16-byte loads, eight in flight per thread.
+        // Plain greedy: an argmax with 16-byte loads, eight in flight per thread, compared as
+        // float (exactly as in double, without a conversion per logit); a thread visits its ids in
+        // increasing order, so the strict > keeps the lowest id of equal values.
         const float4* l4 = reinterpret_cast<const float4*>(logits);
         const int n4 = vocab >> 2;
+        float best_value = -TI_INF;
+        int best_index = 0x7fffffff;
+        auto visit = [&](float v, int i) {
+            if (v > best_value) {
+                best_value = v;
+                best_index = i;
+            }
+        };
         for (int i0 = threadIdx.x; i0 < n4; i0 += 8 * blockDim.x) {
             float4 v[8];
 #pragma unroll
@@ -177,13 +187,14 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_token(
             for (int u = 0; u < 8; ++u) {
                 const int i = 4 * (i0 + u * blockDim.x);
                 if (i < vocab) {
-                    best = better(best, ArgBest{v[u].x, i});
-                    best = better(best, ArgBest{v[u].y, i + 1});
-                    best = better(best, ArgBest{v[u].z, i + 2});
-                    best = better(best, ArgBest{v[u].w, i + 3});
+                    visit(v[u].x, i);
+                    visit(v[u].y, i + 1);
+                    visit(v[u].z, i + 2);
+                    visit(v[u].w, i + 3);
                 }
             }
         }
+        best = ArgBest{best_value, best_index};
     } else {
         for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
             double x = (double)logits[i];
