@@ -625,6 +625,17 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS, 2) attention_rows(
     place_new_row(0);
     TI_TOUCH(__float_as_uint(q[0]));
     TI_MARK(2);                                                   // q has landed (thread 0)
+#ifdef TI_TIMELINE
+    {   // diagnostic: every thread waits for its first-pass rows, then the block meets
+        u32 sink = 0u;
+#pragma unroll
+        for (int i = 0; i < ATT_ROW_REGS; ++i)
+            if (i < group_rows && lg + i * RG < pos) sink ^= kr[i].x ^ vr[i].w;
+        asm volatile("" ::"r"(sink));
+        __syncthreads();
+    }
+#endif
+    TI_MARK(3);                                                   // every first-pass row has landed
 
     float m = -TI_INF, l = 0.f, o[8] = {};
     for (int first = 0; first < len; first += group_rows * RG) {
@@ -677,7 +688,7 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS, 2) attention_rows(
         }
         m = top;
     }
-    TI_MARK(3);                                                   // the rows done (thread 0's lane group)
+    TI_MARK(4);                                                   // the rows done (thread 0's lane group)
 
     // Lane groups of a warp, then the warps.
 #pragma unroll
