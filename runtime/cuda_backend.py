@@ -99,8 +99,6 @@ class CudaBackend(Backend):
             raise DeviceError(f"The CUDA attention kernel cannot run this model: {e}; run with --device cpu.") from None
         self.attn_plan = attn_k.plan(self.n_heads, self.n_kv, self.head_dim, self.max_context, self.n_sms,
                                      self.compute_capability)
-        self.attn_cluster, self.slices = self.attn_plan.cluster, self.attn_plan.slices
-        self.attn_threads = self.attn_plan.threads
         self.plan = memory_plan(data_extent(tinf_file), self.kv_bytes(), self.scratch_bytes(),
                                 cp.cuda.Device().mem_info[0])
         check_plan(self.plan, self.max_context)
@@ -153,7 +151,7 @@ class CudaBackend(Backend):
     def scratch_bytes(self) -> int:
         q_rows = (self.n_heads + 2 * self.n_kv) * self.head_dim
         floats = 2 * self.dim + q_rows + self.n_heads * self.head_dim + self.ffn + self.vocab
-        floats += self.n_heads * self.slices * (self.head_dim + 2) + 2 * self.max_context * self.head_dim
+        floats += self.n_heads * self.attn_plan.slices * (self.head_dim + 2) + 2 * self.max_context * self.head_dim
         tuning_flush = 2 * self.l2_bytes
         return 4 * floats + 8 * (2 * self.vocab + self.max_context) + tuning_flush
 
@@ -177,8 +175,8 @@ class CudaBackend(Backend):
         self.v_cache = cp.zeros((self.n_layers, ctx, self.n_kv, hd), dtype=cp.float16)
         cos, sin = ref.rope_tables(hd, ctx, c["rope_theta"], c.get("rope_scaling"))
         self.rope_cos, self.rope_sin = cp.asarray(cos), cp.asarray(sin)
-        self.part_o = cp.zeros(self.n_heads * self.slices * hd, dtype=cp.float32)
-        self.part_ml = cp.zeros(self.n_heads * self.slices * 2, dtype=cp.float32)
+        self.part_o = cp.zeros(self.n_heads * self.attn_plan.slices * hd, dtype=cp.float32)
+        self.part_ml = cp.zeros(self.n_heads * self.attn_plan.slices * 2, dtype=cp.float32)
         self.counters = cp.zeros(self.n_kv, dtype=cp.uint32)
         self.state = cp.zeros(4, dtype=cp.int32)
         self.out_tokens = cp.zeros(ctx + 1, dtype=cp.int32)
@@ -216,7 +214,7 @@ class CudaBackend(Backend):
         self.shapes = self.gemv_shapes()
         items = [(shape, rt) for shape in self.shapes.values() for rt, _ in gemv_k.CANDIDATES]
         self.gemv_module, _ = gemv_k.compile_gemvs(items, cc)
-        self.attn_module = attn_k.compile_attention(cc, self.attn_cluster)
+        self.attn_module = attn_k.compile_attention(cc, self.attn_plan.cluster)
         self.misc_module = misc_k.compile_misc(cc)
         self.sample_module = sample_k.compile_sampler(cc)
         # Force NVRTC now, so its time is not charged to tuning.
@@ -249,7 +247,8 @@ class CudaBackend(Backend):
     def attention_launch(self, layer: int):
         kv_row_bytes = self.n_kv * self.head_dim * 2
         return attn_k.make_attention(
-            self.attn_module, self.n_heads, self.n_kv, self.head_dim, self.slices, self.attn_threads, self.qkv,
+            self.attn_module, self.n_heads, self.n_kv, self.head_dim, self.attn_plan.slices, self.attn_plan.threads,
+            self.qkv,
             self.k_cache[layer], self.v_cache[layer], self.state, self.rope_cos, self.rope_sin,
             self.part_o, self.part_ml, self.counters, self.attn, kv_bytes=2 * kv_row_bytes, kernel=self.attn_plan.kernel)
 
@@ -348,8 +347,8 @@ class CudaBackend(Backend):
         lines = [f"cuda backend: {self.gpu_name} (sm_{self.compute_capability}, {self.n_sms} SMs), "
                  f"{len(self.step)} kernels per token in one CUDA graph "
                  f"({'with' if self.pdl else 'without'} programmatic dependent launch), attention kernel "
-                 f"{self.attn_plan.kernel}: {self.slices} blocks of {self.attn_threads} threads per KV head"
-                 f"{' in thread-block clusters' if self.attn_cluster else ''}",
+                 f"{self.attn_plan.kernel}: {self.attn_plan.slices} blocks of {self.attn_plan.threads} threads per "
+                 f"KV head{' in thread-block clusters' if self.attn_plan.cluster else ''}",
                  f"load {self.timings['load_s']:.2f} s (upload {self.timings['upload_s']:.2f} s, compile "
                  f"{self.timings['compile_s']:.2f} s, tune {self.timings['tune_s']:.2f} s [{self.tuning_source}], "
                  f"capture {self.timings['capture_s']:.2f} s)"]

@@ -13,6 +13,7 @@ each stage costs, with wrong results)."""
 import sys
 import tempfile
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 
 import cupy as cp
@@ -116,36 +117,36 @@ def edited_attention(b, edits, cluster: bool):
     return cp.RawModule(code=src, options=options)
 
 
-def with_slices(b, slices):
-    b.slices = slices
-    b.part_o = cp.zeros(b.n_heads * slices * b.head_dim, cp.float32)
-    b.part_ml = cp.zeros(b.n_heads * slices * 2, cp.float32)
+def with_plan(b, plan):
+    """The backend set to an attention plan, with merge buffers for its slices."""
+    b.attn_plan = plan
+    b.part_o = cp.zeros(b.n_heads * plan.slices * b.head_dim, cp.float32)
+    b.part_ml = cp.zeros(b.n_heads * plan.slices * 2, cp.float32)
 
 
 def source_variants(b, prompt, tuning) -> None:
     """Edits of the chunked attention kernel (forced for the measurement: TinyLlama's plan is
     attention_rows) and its merge variants, against the step as planned."""
-    base_attn, base_slices, base_threads, base_plan = b.attn_module, b.slices, b.attn_threads, b.attn_plan
+    base_attn, base_plan = b.attn_module, b.attn_plan
     whole = time_step(b, prompt, b.build_step(tuning))
-    print(f"  base step {whole:.1f} us (attention: {b.attn_plan.kernel}, {b.attn_threads} threads, "
-          f"{'in clusters' if b.attn_cluster else 'in global memory'})", flush=True)
-    b.attn_plan = attn_k.plan(b.n_heads, b.n_kv, b.head_dim, b.max_context, b.n_sms, b.compute_capability, "chunked")
-    b.attn_cluster, b.attn_threads = b.attn_plan.cluster, b.attn_plan.threads
-    with_slices(b, b.attn_plan.slices)
-    b.attn_module = edited_attention(b, [], b.attn_cluster)
+    print(f"  base step {whole:.1f} us (attention: {base_plan.kernel}, {base_plan.threads} threads, "
+          f"{'in clusters' if base_plan.cluster else 'in global memory'})", flush=True)
+    chunked = attn_k.plan(b.n_heads, b.n_kv, b.head_dim, b.max_context, b.n_sms, b.compute_capability, "chunked")
+    with_plan(b, chunked)
+    b.attn_module = edited_attention(b, [], chunked.cluster)
     print(f"  chunked kernel: {time_step(b, prompt, b.build_step(tuning)) - whole:+.1f} us", flush=True)
-    for label, edits in attention_variants(b.attn_cluster):
-        b.attn_module = edited_attention(b, edits, b.attn_cluster)
+    for label, edits in attention_variants(chunked.cluster):
+        b.attn_module = edited_attention(b, edits, chunked.cluster)
         print(f"  {label}: {time_step(b, prompt, b.build_step(tuning)) - whole:+.1f} us", flush=True)
     for threads in (128, 256):
         for cluster in (True, False):
-            b.attn_module, b.attn_threads = edited_attention(b, [], cluster), threads
-            with_slices(b, attn_k.n_slices(b.n_kv, b.max_context, b.n_sms, cluster))
+            b.attn_module = edited_attention(b, [], cluster)
+            with_plan(b, replace(chunked, cluster=cluster, threads=threads,
+                                 slices=attn_k.n_slices(b.n_kv, b.max_context, b.n_sms, cluster)))
             us = time_step(b, prompt, b.build_step(tuning)) - whole
             print(f"  {threads} threads, {'cluster' if cluster else 'global'} merge: {us:+.1f} us", flush=True)
-    b.attn_threads, b.attn_plan, b.attn_cluster = base_threads, base_plan, base_plan.cluster
     b.attn_module = base_attn
-    with_slices(b, base_slices)
+    with_plan(b, base_plan)
 
 
 GEMV_VARIANTS = [   # (label, [(old, new, count), ...]) edits of gemv.cu (results wrong, time only)
@@ -211,7 +212,7 @@ def trigger_variants(b, prompt, tuning) -> None:
     print(f"  base step {whole:.1f} us", flush=True)
     for label, gemv_edits, attention_edits in TRIGGER_VARIANTS:
         b.gemv_module = edited_gemv(b, gemv_edits)
-        b.attn_module = edited_attention(b, attention_edits, b.attn_cluster)
+        b.attn_module = edited_attention(b, attention_edits, b.attn_plan.cluster)
         print(f"  {label}: {time_step(b, prompt, b.build_step(tuning)) - whole:+.1f} us", flush=True)
     b.gemv_module, b.attn_module = base_gemv, base_attn
 
