@@ -228,26 +228,9 @@ TI_DEVICE void chunk_pv(const PvItem& it, int parts, const float* sc, const __ha
 
 // ------------------------------------------------------------------------------- merging slices
 
-// Hopper thread-block clusters: barrier over the cluster's blocks, and the address of the same
-// shared-memory variable in block `rank` of the cluster (distributed shared memory).
-TI_DEVICE void cluster_sync() {
-#if ATT_USE_CLUSTER
-    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
-#endif
-}
-
-TI_DEVICE const float* peer_shared(const float* p, int rank) {
-#if ATT_USE_CLUSTER
-    u64 out;
-    asm volatile("mapa.u64 %0, %1, %2;\n" : "=l"(out) : "l"(p), "r"(rank));
-    return reinterpret_cast<const float*>(out);
-#else
-    return p;
-#endif
-}
-
-// Cluster merge: output i (of the KV head's group * hd) from the partial results blk_o [group][hd]
-// and blk_ml [group][2] of the `active` blocks; block s takes every S-th share.
+// Cluster merge (cluster_sync and peer_shared: common.cuh): output i (of the KV head's group * hd)
+// from the partial results blk_o [group][hd] and blk_ml [group][2] of the `active` blocks; block s
+// takes every S-th share.
 TI_DEVICE void merge_cluster(const float* blk_o, const float* blk_ml, int kvh, int group, int hd, int s, int S,
                              int active, float* out) {
     for (int i = s * blockDim.x + threadIdx.x; i < group * hd; i += S * blockDim.x) {

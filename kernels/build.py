@@ -91,10 +91,11 @@ class Launch:
     """
 
     def __init__(self, name: str, kernel, grid, block, args, shared_mem: int = 0, bytes_read: int = 0,
-                 waits: bool = False):
+                 waits: bool = False, cluster: int = 1):
         self.name = name
         self.waits = waits                 # the kernel calls pdl_wait() before touching activations
-        self._early = None
+        self.cluster = int(cluster)        # blocks per thread-block cluster along x (Hopper)
+        self._driver_launches = {}
         self.kernel = kernel
         self.grid = tuple(int(g) for g in grid)
         self.block = tuple(int(b) for b in block)
@@ -104,15 +105,18 @@ class Launch:
         allow_shared_memory(kernel, self.shared_mem)
 
     def __call__(self, stream=None, early: bool = False):
-        """early: with programmatic dependent launch (kernels/pdl.py), if the kernel supports it."""
-        if early and self.waits:
-            if self._early is None:
-                from tinyinfer.kernels.pdl import EarlyLaunch
+        """early: with programmatic dependent launch (kernels/pdl.py), if the kernel supports it.
+        Such launches, and launches in clusters, go through the driver (CuPy sets no attributes)."""
+        early = early and self.waits
+        if early or self.cluster > 1:
+            if early not in self._driver_launches:
+                from tinyinfer.kernels.pdl import DriverLaunch
 
-                self._early = EarlyLaunch(self)
-            self._early(stream)
+                self._driver_launches[early] = DriverLaunch(self, early)
+            self._driver_launches[early](stream)
         else:
             self.kernel(self.grid, self.block, self.args, shared_mem=self.shared_mem, stream=stream)
 
     def __repr__(self):
-        return f"Launch({self.name}, grid={self.grid}, block={self.block}, smem={self.shared_mem})"
+        cluster = f", cluster={self.cluster}" if self.cluster > 1 else ""
+        return f"Launch({self.name}, grid={self.grid}, block={self.block}, smem={self.shared_mem}{cluster})"

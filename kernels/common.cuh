@@ -89,6 +89,41 @@ TI_DEVICE void pdl_launch_dependents() {
 #endif
 }
 
+// Thread-block clusters (sm_90+; kernels are launched in clusters only there, so before Hopper
+// these are never reached and compile to nothing). Every thread of every block of the cluster
+// calls the barriers, the same number of times.
+TI_DEVICE void cluster_sync() {           // arrive (release) and wait (acquire)
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+#endif
+}
+
+// The two halves of a barrier, for a phase that completes long before anyone waits on it.
+TI_DEVICE void cluster_arrive_relaxed() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");
+#endif
+}
+
+TI_DEVICE void cluster_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory");
+#endif
+}
+
+// The address of the same shared-memory variable in block `rank` of the cluster (distributed
+// shared memory), as a generic pointer.
+template <typename T>
+TI_DEVICE T* peer_shared(T* p, int rank) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    u64 out;
+    asm volatile("mapa.u64 %0, %1, %2;\n" : "=l"(out) : "l"(p), "r"(rank));
+    return reinterpret_cast<T*>(out);
+#else
+    return p;
+#endif
+}
+
 // Weights are read once per token: stream them past L1.
 TI_DEVICE uint4 load_stream(const void* p) {
     uint4 v;

@@ -229,16 +229,19 @@ __device__ __forceinline__ void stage_normed_early(__half* xs, __half* xs_lo, fl
     stage_padding<WT>(xs, xs_lo, corr, x, aux, K, 2 * threads, full, groups, scale);
 }
 
+// Groups [first, kc / 8) of x, i.e. columns [8 first, kc); first > 0 (a block of a split-K cluster
+// staging its part) only for plain inputs, whose groups are independent.
 template <int WT, int IN>
 __device__ __forceinline__ void stage_input(__half* xs, __half* xs_lo, float* corr, const float* __restrict__ x,
-                                            const float* __restrict__ aux, int K, int kc, float eps, float* scratch) {
+                                            const float* __restrict__ aux, int K, int first, int kc, float eps,
+                                            float* scratch) {
     // Groups per thread per round trip: x and the norm weight of one group, or x of two. More
     // makes the q4 kernels spill (the ring of weights in flight is live here).
     constexpr int BATCH = IN == IN_RMSNORM ? 1 : 2;
     const bool vector = (K & 7) == 0;          // whole, 16-byte aligned groups of 8 (buffers are aligned)
     const int groups = kc >> 3, full = vector ? (K >> 3) : 0;
     const int threads = blockDim.x, per_round = BATCH * threads;
-    const bool one_round = groups <= per_round;
+    const bool one_round = groups - first <= per_round;
     float v[BATCH][8], w[BATCH][8];
     auto load_batch = [&](int base) {          // every load of the batch before any use
 #pragma unroll
@@ -277,9 +280,9 @@ __device__ __forceinline__ void stage_input(__half* xs, __half* xs_lo, float* co
         ss = block_sum(ss, scratch);
         scale = rsqrtf(ss / (float)K + eps);
     }
-    for (int base = 0; base < groups; base += per_round) {
+    for (int base = first; base < groups; base += per_round) {
         if (!(IN == IN_RMSNORM && vector && one_round)) load_batch(base);
-        if (base == 0 && IN == IN_PLAIN) {
+        if (base == first && IN == IN_PLAIN) {
             TI_TOUCH(__float_as_uint(v[0][0]));
             TI_MARK(2);                        // x has landed (thread 0)
         }
@@ -294,11 +297,22 @@ __device__ __forceinline__ void stage_input(__half* xs, __half* xs_lo, float* co
     }
 }
 
-// Bytes reserved in front of the staged vector for the cross-warp reduction (double-buffered).
-__device__ __forceinline__ int gemv_scratch_bytes(int nwarps, int rt) {
-    const int floats = 2 * nwarps * 16 * rt > 32 ? 2 * nwarps * 16 * rt : 32;
+// Bytes reserved in front of the staged vector for the cross-warp reduction (double-buffered) and,
+// in a split-K cluster, the peer block's sums (double-buffered).
+__device__ __forceinline__ int gemv_scratch_bytes(int nwarps, int rt, int split) {
+    const int floats = (2 * nwarps * 16 * rt > 32 ? 2 * nwarps * 16 * rt : 32) + (split > 1 ? 2 * 16 * rt : 0);
     return (floats * 4 + 15) & ~15;
 }
+
+// A split-K block's cluster, and the clusters in the grid (see gemv). Written out at each use rather
+// than held in variables: held, they changed the register allocation of the SPLIT = 1 kernels, which
+// measured 0.3% slower in TinyLlama q4's step; written out, their machine code is the same as it was
+// before split-K existed.
+template <int SPLIT>
+__device__ __forceinline__ int cluster_of_block() { return (int)blockIdx.x / SPLIT; }
+
+template <int SPLIT>
+__device__ __forceinline__ int clusters_in_grid() { return (int)gridDim.x / SPLIT; }
 
 // Row loaded by lane group g for half h of 16-row unit rt of a tile. Usually a tile is 16*RT
 // consecutive rows; with OUT_SWIGLU it is 8*RT outputs, gate rows in h = 0 and the matching up rows
@@ -326,8 +340,15 @@ __device__ __forceinline__ int tile_outputs() {
 // section n/2 only, x_hi in even and x_lo in odd columns, so the lanes with g/2 == t feed B and
 // the others feed zeros. Then D[g][2t] + D[g][2t+1] is row g's exact dot product over section t,
 // held by the lane that loaded that section and knows its group scale: one mma per 16 columns.
+//
+// Split-K (SPLIT = 2, plain inputs, Hopper: launched in clusters of two consecutive blocks). Both
+// blocks of a cluster walk the same tiles, block `rank` over its half of the chunks, and stage only
+// that half of x: a long input (the down projection) then takes half the items per warp and half
+// the staging per block. Block 1 stores each tile's sums into block 0's shared memory (distributed
+// shared memory), and after a cluster barrier block 0 adds them to its own, always in that order,
+// so the result does not depend on timing.
 
-template <int WT, int G, int RT, int IN, int OUT>
+template <int WT, int G, int RT, int IN, int OUT, int SPLIT>
 __global__ void __launch_bounds__(256, 2) gemv(
     const unsigned char* __restrict__ w,     // tensor start: values, row-major, kpad columns
     const __half* __restrict__ scales,       // q8/q4: [rows][kpad/G]; f16: unused
@@ -342,15 +363,24 @@ __global__ void __launch_bounds__(256, 2) gemv(
     constexpr int BYTES_PER_K2 = WT == W_Q4 ? 1 : WT == W_Q8 ? 2 : 4;   // bytes per 2 columns
     constexpr int DEPTH = RT == 1 ? 4 : 2;   // items in flight per warp (depths 2 to 8 measured within 5%)
     static_assert(WT == W_F16 || G % KPL == 0, "a 16-byte load must stay inside one quantization group");
+    static_assert(SPLIT == 1 || (SPLIT == 2 && IN == IN_PLAIN && OUT != OUT_SWIGLU), "split-K: plain inputs, 2 blocks");
 
     TI_PROBE;
     extern __shared__ __align__(16) unsigned char smem[];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
     const int g = lane >> 2, t = lane & 3;
     float* red = reinterpret_cast<float*>(smem);
-    __half* xs = reinterpret_cast<__half*>(smem + gemv_scratch_bytes(nwarps, RT));
+    float* peer_sums = red + 2 * nwarps * 16 * RT;             // SPLIT = 2: [2][16 RT], filled by block 1
+    __half* xs = reinterpret_cast<__half*>(smem + gemv_scratch_bytes(nwarps, RT, SPLIT));
+    if (SPLIT > 1) cluster_arrive_relaxed();   // pairs with the wait before block 1's first store into block 0
 
     const int nchunks = (kpad + CW - 1) / CW;
+    // The block's place: its cluster walks tiles cluster, + clusters, ... (cluster_of_block,
+    // clusters_in_grid) and the block, `rank` in its cluster, takes chunks [chunk0, chunk_end).
+    const int rank = SPLIT > 1 ? (int)blockIdx.x % SPLIT : 0;
+    const int per_rank = (nchunks + SPLIT - 1) / SPLIT;
+    const int chunk0 = SPLIT > 1 ? min(rank * per_rank, nchunks) : 0;
+    const int chunk_end = SPLIT > 1 ? min(chunk0 + per_rank, nchunks) : nchunks;
     // The low halves of x, same layout, 32 bytes further on so that a warp's reads of hi (even g)
     // and lo (odd g) fall on different banks.
     __half* xs_lo = xs + staged_index(nchunks * CW) + 16;
@@ -358,8 +388,10 @@ __global__ void __launch_bounds__(256, 2) gemv(
     const u32 row_bytes32 = (u32)kpad * BYTES_PER_K2 / 2;
     const int outputs = OUT == OUT_SWIGLU ? rows >> 1 : rows;
     const int n_tiles = (outputs + tile_outputs<RT, OUT>() - 1) / tile_outputs<RT, OUT>();
-    const int my_tiles = (int)blockIdx.x < n_tiles ? (n_tiles - 1 - (int)blockIdx.x) / (int)gridDim.x + 1 : 0;
-    const int my_chunks = warp < nchunks ? (nchunks - 1 - warp) / nwarps + 1 : 0;
+    const int my_tiles = cluster_of_block<SPLIT>() < n_tiles
+                             ? (n_tiles - 1 - cluster_of_block<SPLIT>()) / clusters_in_grid<SPLIT>() + 1 : 0;
+    const int rank_chunks = chunk_end - chunk0;
+    const int my_chunks = warp < rank_chunks ? (rank_chunks - 1 - warp) / nwarps + 1 : 0;
     const int n_items = my_tiles * my_chunks;
 
     const bool feeds_b = (g >> 1) == t;
@@ -446,13 +478,13 @@ __global__ void __launch_bounds__(256, 2) gemv(
     // OUT_ADD: the residual under the block's first tile is read right after the PDL wait, beside
     // the input's staging, instead of by a dependent round trip in the epilogue (thread i holds
     // output i of the tile; the model's shapes give every block at most one tile).
-    const int first_out = (int)blockIdx.x * tile_outputs<RT, OUT>() + (int)threadIdx.x;
-    const bool holds_residual = OUT == OUT_ADD && my_tiles > 0 && (int)threadIdx.x < tile_outputs<RT, OUT>() &&
-                                first_out < outputs;
+    const int first_out = cluster_of_block<SPLIT>() * tile_outputs<RT, OUT>() + (int)threadIdx.x;
+    const bool holds_residual = OUT == OUT_ADD && rank == 0 && my_tiles > 0 &&
+                                (int)threadIdx.x < tile_outputs<RT, OUT>() && first_out < outputs;
     float residual = 0.f;
     int next_ti = 0, next_k = 0;       // the next item to load: tile index ti, chunk index k
     auto load_next = [&](int b) {
-        load_item(b, (int)blockIdx.x + next_ti * (int)gridDim.x, warp + next_k * nwarps);
+        load_item(b, cluster_of_block<SPLIT>() + next_ti * clusters_in_grid<SPLIT>(), chunk0 + warp + next_k * nwarps);
         if (++next_k == my_chunks) {
             next_k = 0;
             ++next_ti;
@@ -475,7 +507,7 @@ __global__ void __launch_bounds__(256, 2) gemv(
         pdl_wait();
         TI_MARK(1);
         if (holds_residual) residual = __ldcg(y + first_out);
-        stage_input<WT, IN>(xs, xs_lo, corr, x, aux, K, nchunks * CW, eps, red);
+        stage_input<WT, IN>(xs, xs_lo, corr, x, aux, K, chunk0 * CW / 8, chunk_end * CW, eps, red);
     }
     __syncthreads();
     TI_MARK(3);                        // input staged
@@ -492,7 +524,7 @@ __global__ void __launch_bounds__(256, 2) gemv(
 #pragma unroll
             for (int b = 0; b < DEPTH; ++b) {
                 if (it % DEPTH == b) {
-                    compute_item(b, warp + k * nwarps, acc);
+                    compute_item(b, chunk0 + warp + k * nwarps, acc);
                     if (it == 0) TI_MARK(5);   // the first item multiplied
                     if (it + DEPTH < n_items) load_next(b);
                 }
@@ -513,7 +545,20 @@ __global__ void __launch_bounds__(256, 2) gemv(
             }
         __syncthreads();
         if (ti == my_tiles - 1) TI_MARK(7);   // the last tile's partial sums in shared memory
-        const int out0 = ((int)blockIdx.x + ti * (int)gridDim.x) * tile_outputs<RT, OUT>();
+        const int out0 = (cluster_of_block<SPLIT>() + ti * clusters_in_grid<SPLIT>()) * tile_outputs<RT, OUT>();
+        float* peer_tile = peer_sums + (ti & 1) * 16 * RT;     // double-buffered: block 1 runs a tile ahead
+        if (SPLIT > 1) {
+            if (ti == 0) cluster_wait();       // block 0 runs: its shared memory may be written
+            if (rank > 0) {
+                for (int i = threadIdx.x; i < tile_outputs<RT, OUT>(); i += blockDim.x) {
+                    float total = 0.f;
+                    for (int wi = 0; wi < nwarps; ++wi) total += part[wi * 16 * RT + i];
+                    *peer_shared(peer_tile + i, 0) = total;
+                }
+            }
+            cluster_sync();                    // block 1's sums have landed in block 0
+            if (rank > 0) continue;
+        }
         for (int i = threadIdx.x; i < tile_outputs<RT, OUT>(); i += blockDim.x) {
             if (out0 + i >= outputs) continue;
             // Slot of output i in part: row g + 8h of unit rt is slot 16 rt + 8 h + g.
@@ -523,9 +568,11 @@ __global__ void __launch_bounds__(256, 2) gemv(
                 total += part[wi * 16 * RT + slot];
                 if (OUT == OUT_SWIGLU) up += part[wi * 16 * RT + slot + 8];
             }
+            if (SPLIT > 1) total += peer_tile[i];
             if (OUT == OUT_ADD) y[out0 + i] = (ti == 0 && i == (int)threadIdx.x ? residual : __ldcg(y + out0 + i)) + total;
             else if (OUT == OUT_SWIGLU) y[out0 + i] = total / (1.f + __expf(-total)) * up;
             else y[out0 + i] = total;
         }
     }
+    if (SPLIT > 1 && my_tiles == 0) cluster_wait();   // (the grid gives every cluster a tile)
 }

@@ -2,7 +2,8 @@
 
 A GemvShape says what is multiplied (encoding, group, rows, columns) and which fusions run at the
 input (plain, rmsnorm) and output (store, add, swiglu: silu(gate) * up of the fused [gate; up]
-matrix); a GemvConfig is the tunable part (row tiles of 16 per block, warps per block). make_gemv turns both plus device pointers into a Launch.
+matrix); a GemvConfig is the tunable part (row tiles of 16 per block, warps per block, and whether a
+cluster of two blocks splits K). make_gemv turns both plus device pointers into a Launch.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ OUTPUT_ID = {"store": 0, "add": 1, "swiglu": 2}
 CHUNK_K = {"f16": 64, "q8": 128, "q4": 256}   # columns per chunk: NL(2) * 4 lanes * 16 bytes
 SUPPORTED = tuple(ENCODING_ID)
 CANDIDATES = tuple((rt, warps) for rt in (1, 2) for warps in (4, 8))
+SPLITS = (1, 2)               # blocks per cluster sharing one tile's K (2: plain inputs on Hopper)
+SPLIT_MIN_COMPUTE_CAPABILITY = 90   # thread-block clusters
 
 
 @dataclass(frozen=True)
@@ -48,9 +51,27 @@ class GemvShape:
 class GemvConfig:
     row_tiles: int = 1   # 16-row tiles per block (R)
     warps: int = 8       # warps per block, splitting K
+    split: int = 1       # blocks (a cluster) splitting each tile's K between them
 
     def as_dict(self) -> dict:
-        return {"row_tiles": self.row_tiles, "warps": self.warps}
+        """As stored in autotune caches and files (split only when used: older entries lack it)."""
+        return {"row_tiles": self.row_tiles, "warps": self.warps, **({"split": self.split} if self.split > 1 else {})}
+
+    @property
+    def label(self) -> str:
+        return f"R{self.row_tiles}/w{self.warps}" + (f"/split{self.split}" if self.split > 1 else "")
+
+
+def can_split(shape: GemvShape, compute_capability: int) -> bool:
+    """Split-K needs clusters (Hopper and newer) and an input whose groups stage independently
+    (RMSNorm needs the whole vector's sum of squares in each block)."""
+    return compute_capability >= SPLIT_MIN_COMPUTE_CAPABILITY and shape.input == "plain" and shape.output != "swiglu"
+
+
+def configs_for(shape: GemvShape, compute_capability: int) -> list:
+    """Every configuration the tuner times for this shape on this GPU."""
+    splits = SPLITS if can_split(shape, compute_capability) else (1,)
+    return [GemvConfig(rt, warps, split) for split in splits for rt, warps in CANDIDATES]
 
 
 def shape_of(tensor_info, input: str = "plain", output: str = "store") -> GemvShape:
@@ -65,9 +86,9 @@ def shape_of(tensor_info, input: str = "plain", output: str = "store") -> GemvSh
                      input, output)
 
 
-def name_expression(shape: GemvShape, row_tiles: int) -> str:
+def name_expression(shape: GemvShape, row_tiles: int, split: int = 1) -> str:
     return (f"gemv<{ENCODING_ID[shape.encoding]},{shape.group},{row_tiles},"
-            f"{INPUT_ID[shape.input]},{OUTPUT_ID[shape.output]}>")
+            f"{INPUT_ID[shape.input]},{OUTPUT_ID[shape.output]},{split}>")
 
 
 def staged_halves(shape: GemvShape) -> int:
@@ -78,6 +99,8 @@ def staged_halves(shape: GemvShape) -> int:
 
 def shared_bytes(shape: GemvShape, config: GemvConfig) -> int:
     scratch = max(2 * config.warps * 16 * config.row_tiles, 32) * 4
+    if config.split > 1:
+        scratch += 2 * 16 * config.row_tiles * 4          # the peer block's sums (gemv_scratch_bytes)
     scratch = (scratch + 15) // 16 * 16
     chunk = CHUNK_K[shape.encoding]
     sections = -(-shape.cols_pad // chunk) * chunk // (chunk // 8)      # KPL = chunk / 8 columns each
@@ -93,8 +116,8 @@ def scale_offset(shape: GemvShape) -> int:
 
 
 def compile_gemvs(items, compute_capability: int):
-    """One RawModule holding every (shape, row_tiles) instantiation in `items`."""
-    expressions = tuple(sorted({name_expression(shape, rt) for shape, rt in items}))
+    """One RawModule holding every (shape, GemvConfig) instantiation in `items`."""
+    expressions = tuple(sorted({name_expression(shape, c.row_tiles, c.split) for shape, c in items}))
     return module("gemv.cu", expressions, compute_capability), expressions
 
 
@@ -134,13 +157,16 @@ def make_gemv(mod, shape: GemvShape, config: GemvConfig, weight, x, y, aux=None,
               name: str = "gemv") -> Launch:
     """Launch computing y (+)= g(W f(x)). weight: CuPy uint8 array holding the tensor's bytes as stored.
 
-    The grid is persistent: as many blocks as stay resident (at most one per row tile)."""
+    The grid is persistent: as many blocks as stay resident (at most one per row tile, or one
+    cluster of `split` blocks per row tile)."""
     if shape.output == "swiglu" and shape.rows % 2:
         raise ValueError(f"a fused [gate; up] matrix has an even number of rows, not {shape.rows}")
     if shape.weight_bytes >= 1 << 32:     # gemv.cu addresses a tensor with 32-bit offsets
         raise ValueError(f"a {shape.rows}x{shape.cols} {shape.encoding} matrix is 4 GiB or more; the GEMV kernel "
                          "addresses tensors below 4 GiB")
-    kernel = mod.get_function(name_expression(shape, config.row_tiles))
+    if config.split > 1 and shape.input != "plain":
+        raise ValueError("split-K GEMVs take plain inputs only")
+    kernel = mod.get_function(name_expression(shape, config.row_tiles, config.split))
     w_ptr = weight.data.ptr
     scale_ptr = w_ptr + scale_offset(shape) if shape.encoding != "f16" else w_ptr
     tiles = -(-output_rows(shape) // (tile_outputs(shape) * config.row_tiles))
@@ -148,8 +174,9 @@ def make_gemv(mod, shape: GemvShape, config: GemvConfig, weight, x, y, aux=None,
     per_sm, sms = resident_blocks(kernel, 32 * config.warps, shared)
     args = (np.uint64(w_ptr), np.uint64(scale_ptr), np.int32(shape.rows), np.int32(shape.cols_pad),
             np.int32(shape.cols), x, aux if aux is not None else np.uint64(0), np.float32(eps), y)
-    return Launch(name, kernel, (min(tiles, per_sm * sms),), (32 * config.warps,), args, shared,
-                  bytes_read=shape.weight_bytes, waits=True)
+    units = min(tiles, per_sm * sms // config.split)
+    return Launch(name, kernel, (units * config.split,), (32 * config.warps,), args, shared,
+                  bytes_read=shape.weight_bytes, waits=True, cluster=config.split)
 
 
 def gemv_reference(tensor, x: np.ndarray, input: str = "plain", aux=None, eps: float = 0.0,

@@ -8,7 +8,8 @@ round trip behind the previous kernel's tail. Stream capture records the program
 graph. Every kernel launched this way must call pdl_wait() before it reads or writes activations.
 
 CuPy's kernel call cannot set launch attributes, hence ctypes: the structures below mirror cuda.h
-(CUlaunchConfig, CUlaunchAttribute) and have not changed since CUDA 12.0.
+(CUlaunchConfig, CUlaunchAttribute) and have not changed since CUDA 12.0. The same path launches
+kernels in thread-block clusters (the split-K GEMV), whose size is a launch attribute too.
 """
 
 from __future__ import annotations
@@ -17,12 +18,13 @@ import ctypes
 
 import numpy as np
 
+CLUSTER_DIMENSION = 4                   # CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
 PROGRAMMATIC_STREAM_SERIALIZATION = 6   # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
 MIN_COMPUTE_CAPABILITY = 90
 
 
 class _AttributeValue(ctypes.Union):
-    _fields_ = [("pad", ctypes.c_char * 64), ("value", ctypes.c_int)]
+    _fields_ = [("pad", ctypes.c_char * 64), ("value", ctypes.c_int), ("dims", ctypes.c_uint * 3)]
 
 
 class _Attribute(ctypes.Structure):
@@ -61,19 +63,26 @@ def _c_value(arg):
     raise TypeError(f"cannot pass {type(arg).__name__} to cuLaunchKernelEx")
 
 
-class EarlyLaunch:
-    """The arguments of one launch marshalled once for cuLaunchKernelEx with PDL enabled."""
+class DriverLaunch:
+    """The arguments of one launch marshalled once for cuLaunchKernelEx, with PDL enabled (early)
+    and/or in clusters of launch.cluster blocks along x."""
 
-    def __init__(self, launch):
+    def __init__(self, launch, early: bool):
         self.values = [_c_value(a) for a in launch.args]
         self.pointers = (ctypes.c_void_p * len(self.values))(
             *[ctypes.cast(ctypes.byref(v), ctypes.c_void_p) for v in self.values])
-        self.attribute = _Attribute(id=PROGRAMMATIC_STREAM_SERIALIZATION)
-        self.attribute.value.value = 1
-        self.function = launch.kernel.kernel.ptr        # RawKernel -> its cupy.cuda.Function
         dims = lambda d: (ctypes.c_uint * 3)(*(tuple(d) + (1, 1))[:3])    # (x,) -> (x, 1, 1)
-        self.config = _LaunchConfig(dims(launch.grid), dims(launch.block),
-                                    launch.shared_mem, None, ctypes.pointer(self.attribute), 1)
+        attributes = []
+        if early:
+            attributes.append(_Attribute(id=PROGRAMMATIC_STREAM_SERIALIZATION))
+            attributes[-1].value.value = 1
+        if launch.cluster > 1:
+            attributes.append(_Attribute(id=CLUSTER_DIMENSION))
+            attributes[-1].value.dims = dims((launch.cluster,))
+        self.attributes = (_Attribute * max(len(attributes), 1))(*attributes)
+        self.function = launch.kernel.kernel.ptr        # RawKernel -> its cupy.cuda.Function
+        self.config = _LaunchConfig(dims(launch.grid), dims(launch.block), launch.shared_mem, None,
+                                    ctypes.cast(self.attributes, ctypes.POINTER(_Attribute)), len(attributes))
 
     def __call__(self, stream) -> None:
         self.config.stream = stream.ptr if stream is not None else None

@@ -1,10 +1,12 @@
 """Pick the fastest configuration of each GEMV shape at load time, and remember it.
 
 Each distinct (shape, fusion) is timed over its candidate configurations (row tiles R x warps per
-block) on the model's own weights: one launch per layer, so every launch streams weights that are
-not in L2, after an L2 flush and behind a GPU-side wait so the host's launch cost stays out of the
-measurement. The choices are saved in a user cache keyed by the file's tensor checksums, the GPU,
-its compute capability and the kernel sources, so a second load of the same file does not re-tune.
+block, x split-K where it can run) on the model's own weights: one launch per layer, so every
+launch streams weights that are not in L2, after an L2 flush and behind a GPU-side wait so the
+host's launch cost stays out of the measurement. Where timing alone is known to mislead (a split-K
+pick, a tie), the whole decode step settles it (confirm_in_step). The choices are saved in a user
+cache keyed by the file's tensor checksums, the GPU, its compute capability and the kernel
+sources, so a second load of the same file does not re-tune.
 """
 
 from __future__ import annotations
@@ -80,15 +82,58 @@ TIE = 0.03
 
 
 def pick(times: dict):
-    """The fastest configuration; among those tied with it, the one with the fewest row tiles.
+    """The fastest configuration; among those tied with it, one without split-K, then the one with
+    the fewest row tiles.
 
     Timed alone, R = 1 and R = 2 often tie on small matrices, and which one wins follows noise; in
     the decode step the smaller tiles (twice the blocks) were the faster every time it was measured
     (H200: TinyLlama q4's wqkv 1,795 vs 1,688-1,689 tok/s for the whole step, q8's wo 1,532 vs
-    1,390)."""
+    1,390). A split-K cluster occupies twice the block slots, which the next kernel's early blocks
+    would otherwise use, so it must win outright."""
     fastest = min(times.values())
     tied = [config for config, us in times.items() if us <= fastest * (1 + TIE)]
-    return min(tied, key=lambda config: (config.row_tiles, times[config]))
+    return min(tied, key=lambda config: (config.split, config.row_tiles, times[config]))
+
+
+# In the whole step, a challenger must beat the incumbent by at least this fraction.
+STEP_MARGIN = 0.005
+
+
+def step_contest(chosen, times: dict):
+    """(incumbent, challenger) to settle in the whole decode step, or None.
+
+    Kernels timed alone mislead in two known ways (H200): a split-K cluster can win alone and still
+    slow the step (TinyLlama q4's down projection: 11% faster alone, 1.4% slower in the step: its
+    second block per tile takes register-file room the next kernel's early blocks would use), so an
+    unsplit configuration is the incumbent against it; and a tie given to fewer row tiles can cost
+    the step (Llama-2-7B q4's gate/up: R = 1 and R = 2 within 3% alone, R = 2 3.2% faster in the
+    step), so the fastest configuration alone challenges the tie's winner."""
+    if chosen.split > 1:
+        return pick({c: us for c, us in times.items() if c.split == 1}), chosen
+    fastest = min(times, key=times.get)
+    return (chosen, fastest) if fastest != chosen else None
+
+
+def confirm_in_step(best: dict, timings: dict, step_us, rounds: int = 2) -> tuple[dict, dict]:
+    """Settle each role's contest (step_contest) by the whole step's time, one role at a time.
+
+    best: role -> config picked from kernels timed alone; timings: role -> {config: us alone};
+    step_us(tuning) -> GPU microseconds per decode step with that tuning. Returns (the choices,
+    role -> {config: step us} for every contest held)."""
+    held = {}
+    for role in list(best):
+        contest = step_contest(best[role], timings.get(role, {})) if timings.get(role) else None
+        if contest is None:
+            continue
+        incumbent, challenger = contest
+        times = {incumbent: [], challenger: []}
+        for _ in range(rounds):                         # alternated, so drifts hit both alike
+            for config in times:
+                times[config].append(step_us({**best, role: config}))
+        held[role] = {config: min(us) for config, us in times.items()}
+        wins = held[role][challenger] < held[role][incumbent] * (1 - STEP_MARGIN)
+        best = {**best, role: challenger if wins else incumbent}
+    return best, held
 
 
 def tune(candidates: dict, stream, wait_factory, flush=None, early: bool = False) -> tuple[dict, dict]:

@@ -115,11 +115,10 @@ class CudaBackend(Backend):
             self.compile()
             self.timings["compile_s"] = time.perf_counter() - tick
             tick = time.perf_counter()
-            self.tuning = self.tune()
+            tuning = self.tune()
             self.timings["tune_s"] = time.perf_counter() - tick
             tick = time.perf_counter()
-            self.step = self.build_step(self.tuning)
-            self.graph = self.capture(self.step)
+            self.use_tuning(tuning)
             self.timings["capture_s"] = time.perf_counter() - tick
         self.stream.synchronize()
         self.timings["load_s"] = time.perf_counter() - started
@@ -212,18 +211,24 @@ class CudaBackend(Backend):
     def compile(self) -> None:
         cc = self.compute_capability
         self.shapes = self.gemv_shapes()
-        items = [(shape, rt) for shape in self.shapes.values() for rt, _ in gemv_k.CANDIDATES]
+        items = [(shape, config) for shape in self.shapes.values() for config in gemv_k.configs_for(shape, cc)]
         self.gemv_module, _ = gemv_k.compile_gemvs(items, cc)
         self.attn_module = attn_k.compile_attention(cc, self.attn_plan.cluster)
         self.misc_module = misc_k.compile_misc(cc)
         self.sample_module = sample_k.compile_sampler(cc)
-        # Force NVRTC now, so its time is not charged to tuning.
-        for shape in self.shapes.values():
-            for rt, _ in gemv_k.CANDIDATES:
-                self.gemv_module.get_function(gemv_k.name_expression(shape, rt))
+        # Force NVRTC now, so its time is not charged to tuning. Functions load lazily, one after the
+        # other into device memory, in this order; loading the split-K kernels among the others made
+        # TinyLlama q4's step 1.2% slower with the same kernels chosen (H200, BENCHMARKS.md, tenth
+        # session), so they load last and the others keep the places they had before split-K existed.
+        for shape, config in items:
+            if config.split == 1:
+                self.gemv_module.get_function(gemv_k.name_expression(shape, config.row_tiles, config.split))
         self.attn_module.get_function(self.attn_plan.kernel)
         self.misc_module.get_function("embed")
         self.sample_module.get_function("sample_token")
+        for shape, config in items:
+            if config.split > 1:
+                self.gemv_module.get_function(gemv_k.name_expression(shape, config.row_tiles, config.split))
 
     # ------------------------------------------------------------------------------ launches
 
@@ -280,6 +285,13 @@ class CudaBackend(Backend):
         step.append(self.sampler_launch())
         return step
 
+    def use_tuning(self, tuning: dict) -> None:
+        """Decode with these GEMV configurations (role -> GemvConfig): the step is rebuilt and captured."""
+        with self.stream:
+            self.tuning = tuning
+            self.step = self.build_step(tuning)
+            self.graph = self.capture(self.step)
+
     def capture(self, launches):
         stream = self.stream
         stream.begin_capture()
@@ -312,36 +324,54 @@ class CudaBackend(Backend):
         return self._flush
 
     def tune(self) -> dict:
+        self.step_contests = {}      # role -> {config: us per decode step}, where timing alone was not enough
         # Choices shipped in the file for exactly this GPU and kernel build come first (HUB.md).
-        shipped, message = tune_in_file.shipped_gemv_configs(self.tinf, tune_in_file.backend_key(self),
-                                                             list(self.shapes))
+        allowed = {role: gemv_k.configs_for(shape, self.compute_capability) for role, shape in self.shapes.items()}
+        shipped, message = tune_in_file.shipped_gemv_configs(self.tinf, tune_in_file.backend_key(self), allowed)
         self.log(message)
         if shipped is not None:
             self.tuning_source, self.tuning_times = "file", {}
             return shipped
         key = autotune.cache_key(self.tinf, self.gpu_name, self.compute_capability, build.source_hash())
-        cached = autotune.load_cached(key)
+        cached = tune_in_file.gemv_configs(autotune.load_cached(key), allowed)
         roles = list(self.shapes)
-        if cached and all(role in cached for role in roles):
+        if cached is not None:
             self.tuning_source = "cache"
             self.tuning_times = {}
-            return {role: gemv_k.GemvConfig(**cached[role]) for role in roles}
+            return cached
         candidates = {}
         for role in roles:
             layers = [0] if role == "output" else range(self.n_layers)
-            candidates[role] = {gemv_k.GemvConfig(rt, warps): [self.gemv_launch(role, layer, gemv_k.GemvConfig(rt, warps))
-                                                                 for layer in layers]
-                                for rt, warps in gemv_k.CANDIDATES}
+            candidates[role] = {config: [self.gemv_launch(role, layer, config) for layer in layers]
+                                for config in allowed[role]}
         self.x.fill(0.5)
         self.ffn_hidden.fill(0.5)
         self.attn.fill(0.5)
         best, self.tuning_times = autotune.tune(candidates, self.stream, self.wait_launch, self.flush_l2(), self.pdl)
         self._flush = self._flush_buffer = None
+        best, self.step_contests = autotune.confirm_in_step(best, self.tuning_times, self.step_us)
         self.tuning_source = "measured"
         autotune.save_cached(key, {role: best[role].as_dict() for role in roles},
                              {"gpu": self.gpu_name, "compute_capability": self.compute_capability,
                               "file": str(self.tinf.path), "shapes": {r: self.shapes[r].key for r in roles}})
         return best
+
+    def step_us(self, tuning: dict, replays: int = 12) -> float:
+        """GPU microseconds per decode step with these GEMV configurations: graph replays back to
+        back from position 0 (greedy; what the cache rows hold does not change the time)."""
+        replays = max(1, min(replays, self.max_context - 2))
+        self.use_tuning(tuning)
+        with self.stream:
+            self.set_sampling(GREEDY)
+            self.set_state(0, 0, 0)
+            self.graph.launch(self.stream)             # the first replay uploads and warms up
+            self.set_state(0, 0, 0)
+            start = self.stream.record()
+            for _ in range(replays):
+                self.graph.launch(self.stream)
+            end = self.stream.record()
+        end.synchronize()
+        return self.cp.cuda.get_elapsed_time(start, end) * 1000.0 / replays
 
     def describe(self) -> str:
         lines = [f"cuda backend: {self.gpu_name} (sm_{self.compute_capability}, {self.n_sms} SMs), "
@@ -354,10 +384,12 @@ class CudaBackend(Backend):
                  f"capture {self.timings['capture_s']:.2f} s)"]
         for role, config in self.tuning.items():
             times = self.tuning_times.get(role, {})
-            detail = ", ".join(f"R{c.row_tiles}/w{c.warps} {t:.1f}us" for c, t in sorted(
-                times.items(), key=lambda item: item[1]))
+            detail = ", ".join(f"{c.label} {t:.1f}us" for c, t in sorted(times.items(), key=lambda item: item[1]))
             lines.append(f"  {self.shapes[role].key:40s} R={config.row_tiles} warps={config.warps}"
-                         + (f"  ({detail})" if detail else ""))
+                         + (f" split={config.split}" if config.split > 1 else "") + (f"  ({detail})" if detail else ""))
+            if role in self.step_contests:
+                lines.append("    in the whole step: " + ", ".join(
+                    f"{c.label} {us:.1f}" for c, us in self.step_contests[role].items()) + " us per token")
         return "\n".join(lines)
 
     # ------------------------------------------------------------------------------ running

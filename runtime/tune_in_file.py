@@ -107,26 +107,31 @@ def store_file_entry(path, key: str, choices: dict, out=None, bench: dict | None
     return out
 
 
-def gemv_configs(choices, roles) -> dict | None:
-    """The CUDA backend's GemvConfig for every role, from stored choices; None unless each role is
-    present and is one of the configurations the autotuner itself tries (a file is untrusted input)."""
+def gemv_configs(choices, candidates: dict) -> dict | None:
+    """The CUDA backend's GemvConfig for every role, from stored choices; None unless each role of
+    `candidates` (role -> the configurations the autotuner itself tries for it) is present with one
+    of them (a file is untrusted input)."""
     from tinyinfer.kernels import gemv
 
     if not isinstance(choices, dict):
         return None
     configs = {}
-    for role in roles:
+    for role, allowed in candidates.items():
         choice = choices.get(role)
-        if not isinstance(choice, dict) or (choice.get("row_tiles"), choice.get("warps")) not in gemv.CANDIDATES:
+        if not isinstance(choice, dict):
             return None
-        configs[role] = gemv.GemvConfig(choice["row_tiles"], choice["warps"])
+        config = gemv.GemvConfig(choice.get("row_tiles"), choice.get("warps"), choice.get("split", 1))
+        if config not in allowed:
+            return None
+        configs[role] = config
     return configs
 
 
-def shipped_gemv_configs(tinf_file, key: str, roles) -> tuple[dict | None, str]:
-    """(GemvConfigs from the file's entry for `key`, or None to tune as usual; the line for --verbose)."""
+def shipped_gemv_configs(tinf_file, key: str, candidates: dict) -> tuple[dict | None, str]:
+    """(GemvConfigs from the file's entry for `key`, or None to tune as usual; the line for --verbose).
+    candidates: role -> the configurations the tuner tries for it."""
     found = lookup(tinf_file, key)
-    configs = gemv_configs(found.choices, roles) if found.status == "match" else None
+    configs = gemv_configs(found.choices, candidates) if found.status == "match" else None
     if found.status == "match" and configs is None:
         return None, f"autotune: the file's entry for {key} is incomplete or names unknown configurations; ignoring it"
     return configs, found.describe(key)

@@ -86,7 +86,7 @@ def random_backend(shape: str, quant: str):
         write_random_model(path, tinf_config(SHAPES[shape]), quant, 64, reuse_layers=True)
         with load(path, device="cuda") as model:
             b = model.backend
-            print(f"{shape} {quant} tuning {[(r, c.row_tiles, c.warps) for r, c in b.tuning.items()]}", flush=True)
+            print(f"{shape} {quant} tuning {[(r, c.label) for r, c in b.tuning.items()]}", flush=True)
             yield b, bench_prompt(model, 16)
 
 
@@ -163,8 +163,8 @@ GEMV_VARIANTS = [   # (label, [(old, new, count), ...]) edits of gemv.cu (result
 
 def gemv_module(b, src: str):
     """A gemv.cu source compiled with every instantiation the backend's step can use."""
-    items = [(shape, rt) for shape in b.shapes.values() for rt, _ in gemv_k.CANDIDATES]
-    expressions = sorted({gemv_k.name_expression(shape, rt) for shape, rt in items})
+    items = [(shape, c) for shape in b.shapes.values() for c in gemv_k.configs_for(shape, b.compute_capability)]
+    expressions = sorted({gemv_k.name_expression(shape, c.row_tiles, c.split) for shape, c in items})
     return cp.RawModule(code=src, options=compile_options(b.compute_capability), name_expressions=expressions)
 
 
@@ -224,12 +224,10 @@ def tune_in_graph(b, prompt, tuning) -> None:
     base = time_step(b, prompt, b.build_step(best))
     for role in best:
         times = {}
-        for rt, warps in gemv_k.CANDIDATES:
-            config = gemv_k.GemvConfig(rt, warps)
+        for config in gemv_k.configs_for(b.shapes[role], b.compute_capability):
             times[config] = time_step(b, prompt, b.build_step({**best, role: config}))
         best[role] = min(times, key=times.get)
-        print(f"  in-graph tuning {role}: " + ", ".join(f"R{c.row_tiles}w{c.warps} {t:.1f}" for c, t in times.items()),
-              flush=True)
+        print(f"  in-graph tuning {role}: " + ", ".join(f"{c.label} {t:.1f}" for c, t in times.items()), flush=True)
     final = time_step(b, prompt, b.build_step(best))
     print(f"  in-graph tuning: {base:.1f} -> {final:.1f} us", flush=True)
 

@@ -101,13 +101,28 @@ def test_gemv_shapes_and_launch_geometry():
     t = random_encoded("q4", (2560, 2048), 64, np.random.default_rng(0))
     shape = gemv_k.shape_of(t, "rmsnorm", "store")
     assert shape.cols_pad == 2048 and shape.weight_bytes == 2560 * (1024 + 64)
-    assert gemv_k.name_expression(shape, 2) == "gemv<2,64,2,1,0>"
+    assert gemv_k.name_expression(shape, 2) == "gemv<2,64,2,1,0,1>"
     config = gemv_k.GemvConfig(2, 8)
     # reduction scratch + x as fp16 hi and lo (with bank padding, lo 32 bytes further on) + 64 zero
     # bytes for idle B lanes + one float of bias correction per 32-column section
     assert gemv_k.shared_bytes(shape, config) == 2 * 8 * 32 * 4 + 4 * (2048 + 256) + 32 + 64 + 4 * 2048 // 32
     odd = gemv_k.shape_of(random_encoded("f16", (37, 72), None, np.random.default_rng(0)), "plain", "add")
     assert odd.cols_pad == 72 and gemv_k.staged_halves(odd) == 128 + 16
+    # a split-K cluster keeps the peer block's sums (two tiles' worth) behind the reduction scratch
+    split = gemv_k.GemvConfig(1, 4, 2)
+    assert gemv_k.shared_bytes(odd, split) - gemv_k.shared_bytes(odd, gemv_k.GemvConfig(1, 4)) == 2 * 16 * 4
+    assert gemv_k.name_expression(odd, 1, 2) == "gemv<0,0,1,0,1,2>"
+
+
+def test_split_k_is_tuned_only_where_it_can_run():
+    """Clusters exist from Hopper on, and an RMSNorm input needs the whole vector in each block."""
+    t = random_encoded("q4", (2048, 5632), 64, np.random.default_rng(0))
+    down, qkv = gemv_k.shape_of(t, "plain", "add"), gemv_k.shape_of(t, "rmsnorm", "store")
+    assert {c.split for c in gemv_k.configs_for(down, 90)} == {1, 2}
+    assert {c.split for c in gemv_k.configs_for(down, 86)} == {1}
+    assert {c.split for c in gemv_k.configs_for(qkv, 90)} == {1}
+    assert len(gemv_k.configs_for(down, 90)) == 2 * len(gemv_k.CANDIDATES)
+    assert gemv_k.GemvConfig(2, 8, 2).label == "R2/w8/split2" and gemv_k.GemvConfig().label == "R1/w8"
 
 
 def test_gemv_reference_is_the_reference_math():
@@ -218,9 +233,10 @@ def test_random_models_are_valid_files(small_model):
         assert w.shape == (64, 172) and 0.5 < w.std() * np.sqrt(172) < 1.5
 
 
-def test_early_launch_marshals_arguments_like_cuda_h():
-    """kernels/pdl.py hands cuLaunchKernelEx a CUlaunchConfig and a void** of argument values; check
-    both without a GPU (the struct layout is cuda.h's on 64-bit Linux)."""
+def test_driver_launch_marshals_arguments_like_cuda_h():
+    """kernels/pdl.py hands cuLaunchKernelEx a CUlaunchConfig (with the PDL and cluster attributes)
+    and a void** of argument values; check both without a GPU (the struct layout is cuda.h's on
+    64-bit Linux)."""
     import ctypes
     from types import SimpleNamespace
 
@@ -231,16 +247,23 @@ def test_early_launch_marshals_arguments_like_cuda_h():
     array = SimpleNamespace(data=SimpleNamespace(ptr=0xDEAD0000))
     launch = SimpleNamespace(args=(array, np.int32(-7), np.float32(1.5), np.uint64(2**40)),
                              kernel=SimpleNamespace(kernel=SimpleNamespace(ptr=1234)),
-                             grid=(80,), block=(256,), shared_mem=4096)
-    early = pdl.EarlyLaunch(launch)
+                             grid=(80,), block=(256,), shared_mem=4096, cluster=1)
+    early = pdl.DriverLaunch(launch, early=True)
     assert list(early.config.grid) == [80, 1, 1] and list(early.config.block) == [256, 1, 1]
     assert early.config.shared_mem == 4096 and early.config.num_attrs == 1
-    assert early.attribute.id == pdl.PROGRAMMATIC_STREAM_SERIALIZATION and early.attribute.value.value == 1
+    assert early.attributes[0].id == pdl.PROGRAMMATIC_STREAM_SERIALIZATION and early.attributes[0].value.value == 1
     read = [ctypes.c_uint64, ctypes.c_int32, ctypes.c_float, ctypes.c_uint64]
     values = [ctypes.cast(early.pointers[i], ctypes.POINTER(t)).contents.value for i, t in enumerate(read)]
     assert values == [0xDEAD0000, -7, 1.5, 2**40]
     with pytest.raises(TypeError):
-        pdl.EarlyLaunch(SimpleNamespace(**{**vars(launch), "args": (7,)}))   # a Python int: size unknown
+        pdl.DriverLaunch(SimpleNamespace(**{**vars(launch), "args": (7,)}), early=True)   # a Python int: size unknown
+
+    clustered = pdl.DriverLaunch(SimpleNamespace(**{**vars(launch), "cluster": 2}), early=True)
+    attributes = ctypes.cast(clustered.config.attrs, ctypes.POINTER(pdl._Attribute))
+    assert clustered.config.num_attrs == 2 and attributes[1].id == pdl.CLUSTER_DIMENSION
+    assert list(attributes[1].value.dims) == [2, 1, 1]
+    plain = pdl.DriverLaunch(SimpleNamespace(**{**vars(launch), "cluster": 2}), early=False)
+    assert plain.config.num_attrs == 1 and ctypes.cast(plain.config.attrs, ctypes.POINTER(pdl._Attribute))[0].id == 4
 
 
 def test_upload_reads_the_file_bytes_at_an_offset(tmp_path):
@@ -269,3 +292,36 @@ def test_autotune_ties_go_to_fewer_row_tiles():
     # among tied configurations of the same R, the faster
     assert autotune.pick({C(2, 4): 16.8, C(2, 8): 17.1, C(1, 4): 19.3}) == C(2, 4)
     assert autotune.pick({C(1, 8): 4.0, C(1, 4): 3.95, C(2, 8): 3.9}) == C(1, 4)
+    # a split-K cluster must win by more than the margin (it fills twice the SMs' block slots)
+    assert autotune.pick({C(1, 8, 2): 5.0, C(1, 8): 5.1}) == C(1, 8)
+    assert autotune.pick({C(1, 8, 2): 4.0, C(1, 8): 5.1}) == C(1, 8, 2)
+
+
+def test_picks_timing_alone_cannot_settle_are_settled_in_the_whole_step():
+    C = gemv_k.GemvConfig
+    best = {"wqkv": C(1, 8), "wo": C(1, 8, 2), "w_gate_up": C(1, 8), "w_down": C(1, 8, 2)}
+    timings = {"wqkv": {C(1, 8): 3.0, C(2, 8): 3.2},                       # no contest: the fastest, unsplit
+               "wo": {C(1, 8, 2): 4.0, C(2, 8): 5.0, C(1, 8): 5.05, C(1, 4): 6.0},
+               "w_gate_up": {C(2, 8): 17.9, C(1, 8): 18.3},                 # a tie given to fewer row tiles
+               "w_down": {C(1, 8, 2): 5.5, C(1, 8): 6.2}}
+    assert autotune.step_contest(best["wo"], timings["wo"]) == (C(1, 8), C(1, 8, 2))   # unsplit: tied, fewer tiles
+    assert autotune.step_contest(best["w_gate_up"], timings["w_gate_up"]) == (C(1, 8), C(2, 8))
+    assert autotune.step_contest(best["wqkv"], timings["wqkv"]) is None
+    step = {("wo", C(1, 8, 2)): 490.0, ("wo", C(1, 8)): 500.0,             # split wins in the step
+            ("w_gate_up", C(2, 8)): 480.0, ("w_gate_up", C(1, 8)): 500.0,  # so does the faster-alone R = 2
+            ("w_down", C(1, 8, 2)): 505.0, ("w_down", C(1, 8)): 500.0}     # split loses
+    contests = []
+
+    def step_us(tuning):
+        contests.append(tuning)
+        current = ["wo", "w_gate_up", "w_down"][(len(contests) - 1) // 4]   # 2 configs x 2 rounds each
+        return step[(current, tuning[current])]
+
+    chosen, held = autotune.confirm_in_step(best, timings, step_us)
+    assert chosen == {"wqkv": C(1, 8), "wo": C(1, 8, 2), "w_gate_up": C(2, 8), "w_down": C(1, 8)}
+    assert set(held) == {"wo", "w_gate_up", "w_down"} and held["w_down"] == {C(1, 8): 500.0, C(1, 8, 2): 505.0}
+    assert len(contests) == 12 and contests[-1]["w_gate_up"] == C(2, 8)    # later contests see earlier results
+    # a challenger within the margin does not unseat the incumbent
+    near = autotune.confirm_in_step({"wo": C(1, 8, 2)}, {"wo": timings["wo"]},
+                                    lambda t: 499.0 if t["wo"].split == 2 else 500.0)[0]
+    assert near == {"wo": C(1, 8)}

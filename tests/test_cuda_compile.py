@@ -19,21 +19,24 @@ from tinyinfer.kernels.build import SOURCES, source_text
 NVCC = shutil.which("nvcc")
 ARCHES = ["sm_75", "sm_86", "sm_90"]
 GEMV_ARGS = "(const unsigned char*, const __half*, int, int, int, const float*, const float*, float, float*)"
-# (encoding, group, row tiles, input, output): every encoding and group, every R, every fusion, and
-# the register-tightest kernels (q4 R = 2 with RMSNorm and SwiGLU; f16 R = 2, which once kept its
-# load ring in local memory).
-GEMV_INSTANCES = [("W_F16", 0, 1, "IN_RMSNORM", "OUT_STORE"), ("W_F16", 0, 2, "IN_PLAIN", "OUT_ADD"),
-                  ("W_Q4", 64, 2, "IN_RMSNORM", "OUT_SWIGLU"), ("W_Q8", 32, 2, "IN_RMSNORM", "OUT_SWIGLU"),
-                  ("W_Q8", 64, 2, "IN_PLAIN", "OUT_ADD"), ("W_Q8", 128, 1, "IN_RMSNORM", "OUT_STORE"),
-                  ("W_Q4", 32, 2, "IN_RMSNORM", "OUT_STORE"), ("W_Q4", 64, 1, "IN_RMSNORM", "OUT_SWIGLU"),
-                  ("W_Q4", 64, 2, "IN_PLAIN", "OUT_STORE"), ("W_Q4", 128, 2, "IN_PLAIN", "OUT_ADD")]
+# (encoding, group, row tiles, input, output, split): every encoding and group, every R, every
+# fusion, split-K clusters, and the register-tightest kernels (q4 R = 2 with RMSNorm and SwiGLU; f16
+# R = 2, which once kept its load ring in local memory).
+GEMV_INSTANCES = [("W_F16", 0, 1, "IN_RMSNORM", "OUT_STORE", 1), ("W_F16", 0, 2, "IN_PLAIN", "OUT_ADD", 1),
+                  ("W_Q4", 64, 2, "IN_RMSNORM", "OUT_SWIGLU", 1), ("W_Q8", 32, 2, "IN_RMSNORM", "OUT_SWIGLU", 1),
+                  ("W_Q8", 64, 2, "IN_PLAIN", "OUT_ADD", 1), ("W_Q8", 128, 1, "IN_RMSNORM", "OUT_STORE", 1),
+                  ("W_Q4", 32, 2, "IN_RMSNORM", "OUT_STORE", 1), ("W_Q4", 64, 1, "IN_RMSNORM", "OUT_SWIGLU", 1),
+                  ("W_Q4", 64, 2, "IN_PLAIN", "OUT_STORE", 1), ("W_Q4", 128, 2, "IN_PLAIN", "OUT_ADD", 1),
+                  ("W_Q4", 64, 1, "IN_PLAIN", "OUT_ADD", 2), ("W_Q8", 64, 2, "IN_PLAIN", "OUT_ADD", 2),
+                  ("W_F16", 0, 2, "IN_PLAIN", "OUT_STORE", 2)]
 
 
 def wrapper(name: str) -> str:
     """Source that includes `name` and instantiates its templates."""
     lines = [f'#include "{name}"']
     if name == "gemv.cu":
-        lines += [f"template __global__ void gemv<{e},{g},{r},{i},{o}>{GEMV_ARGS};" for e, g, r, i, o in GEMV_INSTANCES]
+        lines += [f"template __global__ void gemv<{e},{g},{r},{i},{o},{s}>{GEMV_ARGS};"
+                  for e, g, r, i, o, s in GEMV_INSTANCES]
     return "\n".join(lines) + "\n"
 
 
@@ -178,9 +181,9 @@ def test_kernel_compiles_with_nvrtc(name, cc):
         pytest.skip("NVRTC (cupy + nvidia-cuda-nvrtc) or the CUDA headers are not installed")
     nvrtc, include = found
     expressions = {
-        "gemv.cu": [name_expression(GemvShape(e, g, 1, 1, 1, i, o), rt) for e, g in [("q4", 64), ("q8", 32), ("f16", 0)]
-                    for rt, _ in CANDIDATES[::2] for i, o in [("rmsnorm", "store"), ("plain", "add"),
-                                                                                ("rmsnorm", "swiglu")]],
+        "gemv.cu": [name_expression(GemvShape(e, g, 1, 1, 1, i, o), rt, split) for e, g in [("q4", 64), ("q8", 32), ("f16", 0)]
+                    for rt, _ in CANDIDATES[::2] for i, o, split in [("rmsnorm", "store", 1), ("plain", "add", 1),
+                                                                     ("rmsnorm", "swiglu", 1), ("plain", "add", 2)]],
     }.get(name, [])
     program = nvrtc.createProgram(build.expanded_source(name), name, [], [])
     for expression in expressions:

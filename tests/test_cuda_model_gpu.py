@@ -61,6 +61,31 @@ def test_decode_logits_match_the_numpy_reference(random_model):
     assert np.array_equal(gpu.argmax(-1), reference.argmax(-1))
 
 
+@pytest.mark.parametrize("shape,quant", [("tinyllama", "q4"), ("llama-2-7b", "f16")])
+def test_decode_with_split_k_gemvs_matches_the_numpy_reference(shared_assets, tmp_path, cupy_gpu, shape, quant):
+    """The o and down projections in split-K clusters inside the captured graph (with PDL), whatever
+    the tuner would pick on this GPU."""
+    from dataclasses import replace
+
+    from tinyinfer.kernels import gemv as gemv_k
+
+    path = tmp_path / "m.tinf"
+    write_random_model(path, real_config(shared_assets, shape), quant, 64, seed=7)
+    ids = np.random.default_rng(2).integers(0, 32000, 16)
+    with load(path, device="cuda") as model:
+        backend = model.backend
+        if not gemv_k.can_split(backend.shapes["w_down"], backend.compute_capability):
+            pytest.skip("thread-block clusters need compute capability 9.0")
+        backend.use_tuning({role: replace(config, split=2) if gemv_k.can_split(backend.shapes[role],
+                                                                                 backend.compute_capability) else config
+                            for role, config in backend.tuning.items()})
+        assert backend.tuning["wo"].split == backend.tuning["w_down"].split == 2
+        gpu = backend.decode_forward(ids, 0)
+    reference = NumpyBackend(open_tinf(path), max_context=16).forward(ids, 0)
+    errors = relative_errors(gpu, reference)
+    assert errors.max() <= MAX_ERROR and np.array_equal(gpu.argmax(-1), reference.argmax(-1))
+
+
 @pytest.fixture(scope="module")
 def tinyllama_q4(tmp_path_factory, shared_assets, cupy_gpu):
     path = tmp_path_factory.mktemp("gen") / "tinyllama-q4.tinf"

@@ -66,7 +66,7 @@ def misc_module(cc):
 
 def run_gemv(cp, cc, tensor, input, output, config, rng, x=None):
     shape = gemv_k.shape_of(tensor, input, output)
-    mod, _ = gemv_k.compile_gemvs([(shape, config.row_tiles)], cc)
+    mod, _ = gemv_k.compile_gemvs([(shape, config)], cc)
     k = tensor.cols
     x = rng.standard_normal(k).astype(np.float32) if x is None else x
     aux = (1 + 0.1 * rng.standard_normal(k)).astype(np.float32) if input == "rmsnorm" else None
@@ -100,6 +100,48 @@ def test_gemv_every_tuning_candidate(cupy_gpu, cc, encoding, row_tiles, warps):
     for input, output in [("plain", "add"), ("rmsnorm", "swiglu")]:
         error = run_gemv(cupy_gpu, cc, tensor, input, output, gemv_k.GemvConfig(row_tiles, warps), rng)
         assert error <= MAX_ERROR, f"R={row_tiles} warps={warps} {input}>{output}: {error:.2e}"
+
+
+# Plain-input shapes for split-K clusters: the models' down and o projections, odd sizes, a single
+# chunk (the second block of each cluster has no columns), and many tiles per cluster (the peer
+# block's sums are double-buffered by tile).
+SPLIT_SHAPES = {"tinyllama-down": (2048, 5632), "llama7b-down": (4096, 11008), "tinyllama-wo": (2048, 2048),
+                "odd": (100, 200), "tiny": (16, 8), "many-tiles": (9000, 264)}
+
+
+@pytest.mark.parametrize("encoding", ["f16", "q8", "q4"])
+@pytest.mark.parametrize("name", list(SPLIT_SHAPES))
+def test_gemv_split_k_in_clusters(cupy_gpu, cc, encoding, name):
+    if cc < gemv_k.SPLIT_MIN_COMPUTE_CAPABILITY:
+        pytest.skip("thread-block clusters need compute capability 9.0")
+    rng = np.random.default_rng(zlib.crc32(f"split{encoding}{name}".encode()))
+    rows, cols = SPLIT_SHAPES[name]
+    tensor = random_encoded(encoding, (rows, cols), None if encoding == "f16" else 64, rng, 1 / np.sqrt(cols))
+    for rt, warps in gemv_k.CANDIDATES:
+        for output in ("add", "store"):
+            error = run_gemv(cupy_gpu, cc, tensor, "plain", output, gemv_k.GemvConfig(rt, warps, 2), rng)
+            assert error <= MAX_ERROR, f"{encoding} {name} R={rt} warps={warps} split {output}: {error:.2e}"
+
+
+def test_gemv_split_k_is_repeatable_bit_for_bit(cupy_gpu, cc):
+    """The two blocks' sums meet in a fixed order (no atomics): the same input gives the same bits."""
+    if cc < gemv_k.SPLIT_MIN_COMPUTE_CAPABILITY:
+        pytest.skip("thread-block clusters need compute capability 9.0")
+    cp = cupy_gpu
+    rng = np.random.default_rng(3)
+    tensor = random_encoded("q4", (4096, 11008), 64, rng, 1 / np.sqrt(11008))
+    shape = gemv_k.shape_of(tensor, "plain", "store")
+    config = gemv_k.GemvConfig(1, 8, 2)
+    mod, _ = gemv_k.compile_gemvs([(shape, config)], cc)
+    y = cp.full(4096, np.nan, dtype=cp.float32)
+    launch = gemv_k.make_gemv(mod, shape, config, cp.asarray(stored_bytes(tensor)),
+                              cp.asarray(rng.standard_normal(11008).astype(np.float32)), y)
+    results = []
+    for _ in range(5):
+        y.fill(np.nan)
+        launch()
+        results.append(y.get())
+    assert np.isfinite(results[0]).all() and all(np.array_equal(results[0], r) for r in results[1:])
 
 
 @pytest.mark.parametrize("encoding", ["q8", "q4"])

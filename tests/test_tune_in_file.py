@@ -165,14 +165,26 @@ def test_a_reader_holding_the_old_file_keeps_its_bytes(tiny):
 def test_only_known_gemv_configurations_are_accepted():
     from tinyinfer.kernels import gemv
 
-    roles = ["wqkv", "wo"]
+    roles = candidates(["wqkv", "wo"])
+    roles["wo"].append(gemv.GemvConfig(1, 8, 2))                             # wo may split K, wqkv not
     good = {"wqkv": {"row_tiles": 2, "warps": 4}, "wo": {"row_tiles": 1, "warps": 8}}
     assert tune_in_file.gemv_configs(good, roles) == {"wqkv": gemv.GemvConfig(2, 4), "wo": gemv.GemvConfig(1, 8)}
+    split = dict(good, wo={"row_tiles": 1, "warps": 8, "split": 2})
+    assert tune_in_file.gemv_configs(split, roles)["wo"] == gemv.GemvConfig(1, 8, 2)
     for bad in ({"wqkv": good["wqkv"]},                                      # a role missing
                 dict(good, wo={"row_tiles": 3, "warps": 8}),                 # not a candidate
+                dict(good, wqkv={"row_tiles": 2, "warps": 4, "split": 2}),   # not a candidate for this role
+                dict(good, wo={"row_tiles": [1], "warps": 8}),               # not a number
                 dict(good, wqkv="2x4"),                                      # not a map
                 "not a map", None):
         assert tune_in_file.gemv_configs(bad, roles) is None, bad
+
+
+def candidates(roles) -> dict:
+    """role -> the configurations the tuner tries on a GPU without clusters."""
+    from tinyinfer.kernels import gemv
+
+    return {role: [gemv.GemvConfig(rt, warps) for rt, warps in gemv.CANDIDATES] for role in roles}
 
 
 GPU_CONFIG = {"architecture": "llama", "dim": 256, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "head_dim": 64,
@@ -192,7 +204,8 @@ def test_tuned_choices_are_used_at_load_and_loading_never_writes(cupy_gpu, tmp_p
     key, tuned = tune_in_file.tune_file(source, out=tmp_path / "tuned.tinf")
     with open_tinf(tuned) as f:
         stored = load_file_entry(f, key)
-    assert stored and all((c["row_tiles"], c["warps"]) in gemv.CANDIDATES for c in stored.values())
+    assert stored and all((c["row_tiles"], c["warps"]) in gemv.CANDIDATES and c.get("split", 1) in gemv.SPLITS
+                          for c in stored.values())
     shipped = tuned.read_bytes()
     monkeypatch.setenv("TINYINFER_CACHE_DIR", str(tmp_path / "fresh-cache"))   # only the file can supply them
     with load(tuned, device="cuda", verbose=True) as model:
@@ -206,7 +219,7 @@ def test_tuned_choices_are_used_at_load_and_loading_never_writes(cupy_gpu, tmp_p
 
 
 def test_the_backend_gets_configs_only_from_a_usable_matching_entry(tmp_path):
-    roles = ["wqkv", "wo"]
+    roles = candidates(["wqkv", "wo"])
     good = {"wqkv": {"row_tiles": 2, "warps": 4}, "wo": {"row_tiles": 1, "warps": 8}}
     path = write_tiny_tinf(tmp_path / "m.tinf", autotune={
         H200: {"choices": good}, A10: {"choices": {"wqkv": {"row_tiles": 9, "warps": 9}}}})
