@@ -546,7 +546,8 @@ __global__ void __launch_bounds__(256, 2) gemv(
         __syncthreads();
         if (ti == my_tiles - 1) TI_MARK(7);   // the last tile's partial sums in shared memory
         const int out0 = (cluster_of_block<SPLIT>() + ti * clusters_in_grid<SPLIT>()) * tile_outputs<RT, OUT>();
-        float* peer_tile = peer_sums + (ti & 1) * 16 * RT;     // double-buffered: block 1 runs a tile ahead
+        // Double-buffered: block 1 may store tile ti + 1's sums while block 0 still reads tile ti's.
+        float* peer_tile = peer_sums + (ti & 1) * 16 * RT;
         if (SPLIT > 1) {
             if (ti == 0) cluster_wait();       // block 0 runs: its shared memory may be written
             if (rank > 0) {
