@@ -62,10 +62,15 @@ class GemvConfig:
         return f"R{self.row_tiles}/w{self.warps}" + (f"/split{self.split}" if self.split > 1 else "")
 
 
+def splittable(shape: GemvShape) -> bool:
+    """Split-K takes an input whose groups stage independently (RMSNorm needs the whole vector's sum
+    of squares in each block) and an output each block can finish alone (not SwiGLU's pairs)."""
+    return shape.input == "plain" and shape.output != "swiglu"
+
+
 def can_split(shape: GemvShape, compute_capability: int) -> bool:
-    """Split-K needs clusters (Hopper and newer) and an input whose groups stage independently
-    (RMSNorm needs the whole vector's sum of squares in each block)."""
-    return compute_capability >= SPLIT_MIN_COMPUTE_CAPABILITY and shape.input == "plain" and shape.output != "swiglu"
+    """Split-K also needs thread-block clusters (Hopper and newer)."""
+    return compute_capability >= SPLIT_MIN_COMPUTE_CAPABILITY and splittable(shape)
 
 
 def configs_for(shape: GemvShape, compute_capability: int) -> list:
@@ -164,8 +169,8 @@ def make_gemv(mod, shape: GemvShape, config: GemvConfig, weight, x, y, aux=None,
     if shape.weight_bytes >= 1 << 32:     # gemv.cu addresses a tensor with 32-bit offsets
         raise ValueError(f"a {shape.rows}x{shape.cols} {shape.encoding} matrix is 4 GiB or more; the GEMV kernel "
                          "addresses tensors below 4 GiB")
-    if config.split > 1 and shape.input != "plain":
-        raise ValueError("split-K GEMVs take plain inputs only")
+    if config.split > 1 and not splittable(shape):
+        raise ValueError(f"no split-K GEMV for {shape.input} input and {shape.output} output")
     kernel = mod.get_function(name_expression(shape, config.row_tiles, config.split))
     w_ptr = weight.data.ptr
     scale_ptr = w_ptr + scale_offset(shape) if shape.encoding != "f16" else w_ptr

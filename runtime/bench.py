@@ -158,16 +158,10 @@ def timed_generation(backend, prompt, n_tokens: int) -> tuple[list[int], list[fl
 
 def graph_step_us(backend, prompt, n_steps: int) -> float:
     """GPU time per decode step: back-to-back graph replays timed with events."""
-    cp = backend.cp
     backend.forward(np.asarray(prompt), 0)
     with backend.stream:
         backend.set_state(len(prompt), int(prompt[-1]), 0)
-        start = backend.stream.record()
-        for _ in range(n_steps):
-            backend.graph.launch(backend.stream)
-        end = backend.stream.record()
-        end.synchronize()
-    return cp.cuda.get_elapsed_time(start, end) * 1000.0 / n_steps
+        return backend.replay_us(n_steps)
 
 
 def read_bandwidth_gbs(backend) -> float:

@@ -359,19 +359,23 @@ class CudaBackend(Backend):
     def step_us(self, tuning: dict, replays: int = 12) -> float:
         """GPU microseconds per decode step with these GEMV configurations: graph replays back to
         back from position 0 (greedy; what the cache rows hold does not change the time)."""
-        replays = max(1, min(replays, self.max_context - 2))
         self.use_tuning(tuning)
         with self.stream:
             self.set_sampling(GREEDY)
             self.set_state(0, 0, 0)
             self.graph.launch(self.stream)             # the first replay uploads and warms up
             self.set_state(0, 0, 0)
-            start = self.stream.record()
-            for _ in range(replays):
-                self.graph.launch(self.stream)
-            end = self.stream.record()
+            return self.replay_us(max(1, min(replays, self.max_context - 2)))
+
+    def replay_us(self, n_steps: int) -> float:
+        """GPU microseconds per step of n_steps graph replays back to back from the current state,
+        timed with events on the stream."""
+        start = self.stream.record()
+        for _ in range(n_steps):
+            self.graph.launch(self.stream)
+        end = self.stream.record()
         end.synchronize()
-        return self.cp.cuda.get_elapsed_time(start, end) * 1000.0 / replays
+        return self.cp.cuda.get_elapsed_time(start, end) * 1000.0 / n_steps
 
     def describe(self) -> str:
         lines = [f"cuda backend: {self.gpu_name} (sm_{self.compute_capability}, {self.n_sms} SMs), "

@@ -123,6 +123,11 @@ def test_split_k_is_tuned_only_where_it_can_run():
     assert {c.split for c in gemv_k.configs_for(qkv, 90)} == {1}
     assert len(gemv_k.configs_for(down, 90)) == 2 * len(gemv_k.CANDIDATES)
     assert gemv_k.GemvConfig(2, 8, 2).label == "R2/w8/split2" and gemv_k.GemvConfig().label == "R1/w8"
+    gate_up = gemv_k.shape_of(t, "plain", "swiglu")
+    assert not gemv_k.can_split(gate_up, 90)
+    for shape in (qkv, gate_up):                  # refused before any kernel is looked up
+        with pytest.raises(ValueError, match="no split-K GEMV"):
+            gemv_k.make_gemv(None, shape, gemv_k.GemvConfig(1, 8, 2), None, None, None)
 
 
 def test_gemv_reference_is_the_reference_math():
@@ -325,3 +330,18 @@ def test_picks_timing_alone_cannot_settle_are_settled_in_the_whole_step():
     near = autotune.confirm_in_step({"wo": C(1, 8, 2)}, {"wo": timings["wo"]},
                                     lambda t: 499.0 if t["wo"].split == 2 else 500.0)[0]
     assert near == {"wo": C(1, 8)}
+
+
+def test_replay_timing_launches_the_graph_n_times_between_two_events():
+    """CudaBackend.replay_us (the step contests and bench's graph time) with a stand-in stream."""
+    from types import SimpleNamespace
+
+    from tinyinfer.runtime.cuda_backend import CudaBackend
+
+    log = []
+    stream = SimpleNamespace(record=lambda: log.append("event") or SimpleNamespace(synchronize=lambda: log.append("sync")))
+    graph = SimpleNamespace(launch=lambda s: log.append("replay"))
+    cp = SimpleNamespace(cuda=SimpleNamespace(get_elapsed_time=lambda start, end: 3.0))   # milliseconds
+    fake = SimpleNamespace(stream=stream, graph=graph, cp=cp)
+    assert CudaBackend.replay_us(fake, 6) == 500.0
+    assert log == ["event"] + ["replay"] * 6 + ["event", "sync"]
