@@ -335,6 +335,13 @@ __device__ __forceinline__ int tile_outputs() {
 // items (also across tile boundaries) in flight while the current one is multiplied, so the DRAM
 // queue never drains while a block reduces a tile.
 //
+// Ring depth (DEPTH, 1 to 4, tuned in the decode step). The first DEPTH items are loaded before the
+// PDL wait, and in the step those loads sit in the memory system ahead of the input's reads after
+// the wait, which every block waits for. Timed alone, depths 2 to 8 are within 5% of each other; in
+// the step the shallowest ring that still streams wins (H200: TinyLlama q4 -5.8% per token with
+// depth 1 on wqkv, wo and gate/up, 3 on the long-K down projection), and f16, whose items take
+// a quarter of q4's instructions per byte, still wants 4.
+//
 // B operand. Lane (g, t) holds A's k positions of "section" t: the 32 (q4) / 16 (q8) / 8 (f16)
 // columns of its own 16-byte load, which lie in one quantization group. B column n carries x for
 // section n/2 only, x_hi in even and x_lo in odd columns, so the lanes with g/2 == t feed B and
@@ -348,7 +355,7 @@ __device__ __forceinline__ int tile_outputs() {
 // shared memory), and after a cluster barrier block 0 adds them to its own, always in that order,
 // so the result does not depend on timing.
 
-template <int WT, int G, int RT, int IN, int OUT, int SPLIT>
+template <int WT, int G, int RT, int IN, int OUT, int SPLIT, int DEPTH>
 __global__ void __launch_bounds__(256, 2) gemv(
     const unsigned char* __restrict__ w,     // tensor start: values, row-major, kpad columns
     const __half* __restrict__ scales,       // q8/q4: [rows][kpad/G]; f16: unused
@@ -361,9 +368,9 @@ __global__ void __launch_bounds__(256, 2) gemv(
     constexpr int KPL = Weights<WT>::KPL;
     constexpr int CW = NL * 4 * KPL;                          // k per chunk
     constexpr int BYTES_PER_K2 = WT == W_Q4 ? 1 : WT == W_Q8 ? 2 : 4;   // bytes per 2 columns
-    constexpr int DEPTH = RT == 1 ? 4 : 2;   // items in flight per warp (depths 2 to 8 measured within 5%)
     static_assert(WT == W_F16 || G % KPL == 0, "a 16-byte load must stay inside one quantization group");
     static_assert(SPLIT == 1 || (SPLIT == 2 && IN == IN_PLAIN && OUT != OUT_SWIGLU), "split-K: plain inputs, 2 blocks");
+    static_assert(DEPTH >= 1 && DEPTH <= 4, "ring depth: 1 to 4 items per warp");
 
     TI_PROBE;
     extern __shared__ __align__(16) unsigned char smem[];

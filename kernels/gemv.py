@@ -2,13 +2,14 @@
 
 A GemvShape says what is multiplied (encoding, group, rows, columns) and which fusions run at the
 input (plain, rmsnorm) and output (store, add, swiglu: silu(gate) * up of the fused [gate; up]
-matrix); a GemvConfig is the tunable part (row tiles of 16 per block, warps per block, and whether a
-cluster of two blocks splits K). make_gemv turns both plus device pointers into a Launch.
+matrix); a GemvConfig is the tunable part (row tiles of 16 per block, warps per block, whether a
+cluster of two blocks splits K, and the ring depth: items each warp keeps in flight). make_gemv turns
+both plus device pointers into a Launch.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 import numpy as np
@@ -23,6 +24,11 @@ SUPPORTED = tuple(ENCODING_ID)
 CANDIDATES = tuple((rt, warps) for rt in (1, 2) for warps in (4, 8))
 SPLITS = (1, 2)               # blocks per cluster sharing one tile's K (2: plain inputs on Hopper)
 SPLIT_MIN_COMPUTE_CAPABILITY = 90   # thread-block clusters
+# Ring depth (items in flight per warp, gemv.cu's DEPTH) by row tiles: the depth every configuration
+# is timed alone with (alone, depths 2 to 8 time within 5%), and the depths tried in the decode step,
+# where it matters (see gemv.cu).
+DEFAULT_DEPTH = {1: 4, 2: 2}
+STEP_DEPTHS = {1: (1, 2, 3, 4), 2: (1, 2)}
 
 
 @dataclass(frozen=True)
@@ -52,14 +58,21 @@ class GemvConfig:
     row_tiles: int = 1   # 16-row tiles per block (R)
     warps: int = 8       # warps per block, splitting K
     split: int = 1       # blocks (a cluster) splitting each tile's K between them
+    depth: int = 0       # items in flight per warp; 0: DEFAULT_DEPTH of row_tiles
+
+    def __post_init__(self):
+        if self.depth == 0:
+            object.__setattr__(self, "depth", DEFAULT_DEPTH.get(self.row_tiles, 0))
 
     def as_dict(self) -> dict:
-        """As stored in autotune caches and files (split only when used: older entries lack it)."""
-        return {"row_tiles": self.row_tiles, "warps": self.warps, **({"split": self.split} if self.split > 1 else {})}
+        """As stored in autotune caches and files: split and depth only where they differ from the
+        defaults, so entries written before either existed keep their meaning."""
+        return {"row_tiles": self.row_tiles, "warps": self.warps, **({"split": self.split} if self.split > 1 else {}),
+                **({"depth": self.depth} if self.depth != DEFAULT_DEPTH.get(self.row_tiles) else {})}
 
     @property
     def label(self) -> str:
-        return f"R{self.row_tiles}/w{self.warps}" + (f"/split{self.split}" if self.split > 1 else "")
+        return f"R{self.row_tiles}/w{self.warps}" + (f"/split{self.split}" if self.split > 1 else "") + f"/d{self.depth}"
 
 
 def splittable(shape: GemvShape) -> bool:
@@ -74,9 +87,21 @@ def can_split(shape: GemvShape, compute_capability: int) -> bool:
 
 
 def configs_for(shape: GemvShape, compute_capability: int) -> list:
-    """Every configuration the tuner times for this shape on this GPU."""
+    """Every configuration the tuner times alone for this shape on this GPU (at the default depth)."""
     splits = SPLITS if can_split(shape, compute_capability) else (1,)
     return [GemvConfig(rt, warps, split) for split in splits for rt, warps in CANDIDATES]
+
+
+def depth_variants(shape: GemvShape, config: GemvConfig) -> list:
+    """config at each ring depth the tuner tries in the decode step. f16 with R = 1 skips depth 2:
+    nvcc puts that ring in local memory (the other depths stay in registers)."""
+    return [replace(config, depth=d) for d in STEP_DEPTHS[config.row_tiles]
+            if not (shape.encoding == "f16" and config.row_tiles == 1 and d == 2)]
+
+
+def all_configs(shape: GemvShape, compute_capability: int) -> list:
+    """Every configuration the tuner can choose for this shape: what it times alone, at every depth."""
+    return [v for config in configs_for(shape, compute_capability) for v in depth_variants(shape, config)]
 
 
 def shape_of(tensor_info, input: str = "plain", output: str = "store") -> GemvShape:
@@ -91,9 +116,9 @@ def shape_of(tensor_info, input: str = "plain", output: str = "store") -> GemvSh
                      input, output)
 
 
-def name_expression(shape: GemvShape, row_tiles: int, split: int = 1) -> str:
-    return (f"gemv<{ENCODING_ID[shape.encoding]},{shape.group},{row_tiles},"
-            f"{INPUT_ID[shape.input]},{OUTPUT_ID[shape.output]},{split}>")
+def name_expression(shape: GemvShape, config: GemvConfig) -> str:
+    return (f"gemv<{ENCODING_ID[shape.encoding]},{shape.group},{config.row_tiles},"
+            f"{INPUT_ID[shape.input]},{OUTPUT_ID[shape.output]},{config.split},{config.depth}>")
 
 
 def staged_halves(shape: GemvShape) -> int:
@@ -122,7 +147,7 @@ def scale_offset(shape: GemvShape) -> int:
 
 def compile_gemvs(items, compute_capability: int):
     """One RawModule holding every (shape, GemvConfig) instantiation in `items`."""
-    expressions = tuple(sorted({name_expression(shape, c.row_tiles, c.split) for shape, c in items}))
+    expressions = tuple(sorted({name_expression(shape, c) for shape, c in items}))
     return module("gemv.cu", expressions, compute_capability), expressions
 
 
@@ -171,7 +196,7 @@ def make_gemv(mod, shape: GemvShape, config: GemvConfig, weight, x, y, aux=None,
                          "addresses tensors below 4 GiB")
     if config.split > 1 and not splittable(shape):
         raise ValueError(f"no split-K GEMV for {shape.input} input and {shape.output} output")
-    kernel = mod.get_function(name_expression(shape, config.row_tiles, config.split))
+    kernel = mod.get_function(name_expression(shape, config))
     w_ptr = weight.data.ptr
     scale_ptr = w_ptr + scale_offset(shape) if shape.encoding != "f16" else w_ptr
     tiles = -(-output_rows(shape) // (tile_outputs(shape) * config.row_tiles))

@@ -212,7 +212,8 @@ class CudaBackend(Backend):
         cc = self.compute_capability
         self.shapes = self.gemv_shapes()
         items = [(shape, config) for shape in self.shapes.values() for config in gemv_k.configs_for(shape, cc)]
-        self.gemv_module, _ = gemv_k.compile_gemvs(items, cc)
+        self.gemv_module, _ = gemv_k.compile_gemvs(
+            [(shape, config) for shape in self.shapes.values() for config in gemv_k.all_configs(shape, cc)], cc)
         self.attn_module = attn_k.compile_attention(cc, self.attn_plan.cluster)
         self.misc_module = misc_k.compile_misc(cc)
         self.sample_module = sample_k.compile_sampler(cc)
@@ -220,15 +221,16 @@ class CudaBackend(Backend):
         # other into device memory, in this order; loading the split-K kernels among the others made
         # TinyLlama q4's step 1.2% slower with the same kernels chosen (H200, BENCHMARKS.md, tenth
         # session), so they load last and the others keep the places they had before split-K existed.
+        # The other ring depths load when the tuner first tries them.
         for shape, config in items:
             if config.split == 1:
-                self.gemv_module.get_function(gemv_k.name_expression(shape, config.row_tiles, config.split))
+                self.gemv_module.get_function(gemv_k.name_expression(shape, config))
         self.attn_module.get_function(self.attn_plan.kernel)
         self.misc_module.get_function("embed")
         self.sample_module.get_function("sample_token")
         for shape, config in items:
             if config.split > 1:
-                self.gemv_module.get_function(gemv_k.name_expression(shape, config.row_tiles, config.split))
+                self.gemv_module.get_function(gemv_k.name_expression(shape, config))
 
     # ------------------------------------------------------------------------------ launches
 
@@ -326,7 +328,7 @@ class CudaBackend(Backend):
     def tune(self) -> dict:
         self.step_contests = {}      # role -> {config: us per decode step}, where timing alone was not enough
         # Choices shipped in the file for exactly this GPU and kernel build come first (HUB.md).
-        allowed = {role: gemv_k.configs_for(shape, self.compute_capability) for role, shape in self.shapes.items()}
+        allowed = {role: gemv_k.all_configs(shape, self.compute_capability) for role, shape in self.shapes.items()}
         shipped, message = tune_in_file.shipped_gemv_configs(self.tinf, tune_in_file.backend_key(self), allowed)
         self.log(message)
         if shipped is not None:
@@ -343,13 +345,21 @@ class CudaBackend(Backend):
         for role in roles:
             layers = [0] if role == "output" else range(self.n_layers)
             candidates[role] = {config: [self.gemv_launch(role, layer, config) for layer in layers]
-                                for config in allowed[role]}
+                                for config in gemv_k.configs_for(self.shapes[role], self.compute_capability)}
         self.x.fill(0.5)
         self.ffn_hidden.fill(0.5)
         self.attn.fill(0.5)
         best, self.tuning_times = autotune.tune(candidates, self.stream, self.wait_launch, self.flush_l2(), self.pdl)
         self._flush = self._flush_buffer = None
         best, self.step_contests = autotune.confirm_in_step(best, self.tuning_times, self.step_us)
+        # Largest matrix first: its depth moves the step most and changes which depths suit the others
+        # (H200, TinyLlama q4: wqkv first settled at 483 us per token, gate/up first at 468). The
+        # output head runs once per token: its depth moves the step by less than the timing noise.
+        by_size = sorted((r for r in roles if r != "output"), key=lambda r: -self.shapes[r].weight_bytes)
+        depths = {role: gemv_k.depth_variants(self.shapes[role], best[role]) for role in by_size}
+        best, depth_trials = autotune.depths_in_step(best, depths, self.step_us)
+        for role, times in depth_trials.items():
+            self.step_contests[role] = {**self.step_contests.get(role, {}), **times}
         self.tuning_source = "measured"
         autotune.save_cached(key, {role: best[role].as_dict() for role in roles},
                              {"gpu": self.gpu_name, "compute_capability": self.compute_capability,
@@ -390,7 +400,8 @@ class CudaBackend(Backend):
             times = self.tuning_times.get(role, {})
             detail = ", ".join(f"{c.label} {t:.1f}us" for c, t in sorted(times.items(), key=lambda item: item[1]))
             lines.append(f"  {self.shapes[role].key:40s} R={config.row_tiles} warps={config.warps}"
-                         + (f" split={config.split}" if config.split > 1 else "") + (f"  ({detail})" if detail else ""))
+                         + (f" split={config.split}" if config.split > 1 else "") + f" depth={config.depth}"
+                         + (f"  ({detail})" if detail else ""))
             if role in self.step_contests:
                 lines.append("    in the whole step: " + ", ".join(
                     f"{c.label} {us:.1f}" for c, us in self.step_contests[role].items()) + " us per token")

@@ -120,7 +120,11 @@ def gemv_configs(choices, candidates: dict) -> dict | None:
         choice = choices.get(role)
         if not isinstance(choice, dict):
             return None
-        config = gemv.GemvConfig(choice.get("row_tiles"), choice.get("warps"), choice.get("split", 1))
+        fields = [choice.get("row_tiles"), choice.get("warps"), choice.get("split", 1), choice.get("depth", 0)]
+        # Plain ints only: a bool compares equal to 1 and a list does not hash.
+        if any(type(value) is not int for value in fields):
+            return None
+        config = gemv.GemvConfig(*fields)
         if config not in allowed:
             return None
         configs[role] = config

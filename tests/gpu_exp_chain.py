@@ -163,8 +163,8 @@ GEMV_VARIANTS = [   # (label, [(old, new, count), ...]) edits of gemv.cu (result
 
 def gemv_module(b, src: str):
     """A gemv.cu source compiled with every instantiation the backend's step can use."""
-    items = [(shape, c) for shape in b.shapes.values() for c in gemv_k.configs_for(shape, b.compute_capability)]
-    expressions = sorted({gemv_k.name_expression(shape, c.row_tiles, c.split) for shape, c in items})
+    items = [(shape, c) for shape in b.shapes.values() for c in gemv_k.all_configs(shape, b.compute_capability)]
+    expressions = sorted({gemv_k.name_expression(shape, c) for shape, c in items})
     return cp.RawModule(code=src, options=compile_options(b.compute_capability), name_expressions=expressions)
 
 

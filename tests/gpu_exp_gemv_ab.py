@@ -44,7 +44,8 @@ def main(paths):
                 raw[off: off + b.size] = b
             copies = max(2, int(np.ceil(300e6 / raw.nbytes)))
             data[label] = (gemv_k.shape_of(t, inp, outp), [cp.asarray(raw) for _ in range(copies)], raw.nbytes)
-        exprs = sorted({gemv_k.name_expression(s, rt) for s, _, _ in data.values() for rt, _ in gemv_k.CANDIDATES})
+        exprs = sorted({gemv_k.name_expression(s, gemv_k.GemvConfig(rt)) for s, _, _ in data.values()
+                        for rt, _ in gemv_k.CANDIDATES})
         misc = misc_k.compile_misc(device_compute_capability())
         sink, out, total = cp.zeros(1, cp.uint32), [], 0.0
         for label, (shape, ws, nbytes) in data.items():      # the same bytes read linearly: the ceiling

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -101,7 +102,7 @@ def test_gemv_shapes_and_launch_geometry():
     t = random_encoded("q4", (2560, 2048), 64, np.random.default_rng(0))
     shape = gemv_k.shape_of(t, "rmsnorm", "store")
     assert shape.cols_pad == 2048 and shape.weight_bytes == 2560 * (1024 + 64)
-    assert gemv_k.name_expression(shape, 2) == "gemv<2,64,2,1,0,1>"
+    assert gemv_k.name_expression(shape, gemv_k.GemvConfig(2)) == "gemv<2,64,2,1,0,1,2>"
     config = gemv_k.GemvConfig(2, 8)
     # reduction scratch + x as fp16 hi and lo (with bank padding, lo 32 bytes further on) + 64 zero
     # bytes for idle B lanes + one float of bias correction per 32-column section
@@ -111,7 +112,7 @@ def test_gemv_shapes_and_launch_geometry():
     # a split-K cluster keeps the peer block's sums (two tiles' worth) behind the reduction scratch
     split = gemv_k.GemvConfig(1, 4, 2)
     assert gemv_k.shared_bytes(odd, split) - gemv_k.shared_bytes(odd, gemv_k.GemvConfig(1, 4)) == 2 * 16 * 4
-    assert gemv_k.name_expression(odd, 1, 2) == "gemv<0,0,1,0,1,2>"
+    assert gemv_k.name_expression(odd, split) == "gemv<0,0,1,0,1,2,4>"
 
 
 def test_split_k_is_tuned_only_where_it_can_run():
@@ -122,7 +123,7 @@ def test_split_k_is_tuned_only_where_it_can_run():
     assert {c.split for c in gemv_k.configs_for(down, 86)} == {1}
     assert {c.split for c in gemv_k.configs_for(qkv, 90)} == {1}
     assert len(gemv_k.configs_for(down, 90)) == 2 * len(gemv_k.CANDIDATES)
-    assert gemv_k.GemvConfig(2, 8, 2).label == "R2/w8/split2" and gemv_k.GemvConfig().label == "R1/w8"
+    assert gemv_k.GemvConfig(2, 8, 2).label == "R2/w8/split2/d2" and gemv_k.GemvConfig().label == "R1/w8/d4"
     gate_up = gemv_k.shape_of(t, "plain", "swiglu")
     assert not gemv_k.can_split(gate_up, 90)
     for shape in (qkv, gate_up):                  # refused before any kernel is looked up
@@ -330,6 +331,43 @@ def test_picks_timing_alone_cannot_settle_are_settled_in_the_whole_step():
     near = autotune.confirm_in_step({"wo": C(1, 8, 2)}, {"wo": timings["wo"]},
                                     lambda t: 499.0 if t["wo"].split == 2 else 500.0)[0]
     assert near == {"wo": C(1, 8)}
+
+
+def test_ring_depths_default_round_trip_and_variants():
+    C = gemv_k.GemvConfig
+    assert C(1, 8).depth == 4 and C(2, 4).depth == 2 and C(1, 8, 2, 3).depth == 3
+    # caches and files keep entries written before depths were tuned: no depth key means the default
+    assert C(1, 8).as_dict() == {"row_tiles": 1, "warps": 8} and C(**C(1, 8).as_dict()) == C(1, 8)
+    assert C(2, 8, 2, 1).as_dict() == {"row_tiles": 2, "warps": 8, "split": 2, "depth": 1}
+    assert C(**C(2, 8, 2, 1).as_dict()) == C(2, 8, 2, 1)
+    q4 = gemv_k.shape_of(random_encoded("q4", (256, 512), 64, np.random.default_rng(0)), "plain", "add")
+    f16 = gemv_k.shape_of(random_encoded("f16", (256, 512), None, np.random.default_rng(0)), "plain", "add")
+    assert [c.depth for c in gemv_k.depth_variants(q4, C(1, 8, 2))] == [1, 2, 3, 4]
+    assert [c.depth for c in gemv_k.depth_variants(q4, C(2, 4))] == [1, 2]
+    assert [c.depth for c in gemv_k.depth_variants(f16, C(1, 8))] == [1, 3, 4]      # depth 2 spills there
+    assert all(c.split == 2 and c.warps == 8 for c in gemv_k.depth_variants(q4, C(1, 8, 2)))
+    assert set(gemv_k.configs_for(q4, 90)) < set(gemv_k.all_configs(q4, 90))
+    assert len(gemv_k.all_configs(q4, 90)) == 2 * 2 * (4 + 2)     # splits x warps x (R1 depths + R2 depths)
+
+
+def test_ring_depths_are_chosen_in_the_whole_step():
+    C = gemv_k.GemvConfig
+    best = {"wqkv": C(1, 8), "w_gate_up": C(2, 8), "w_down": C(1, 8)}
+    # step time = 500 + each role's offset; a depth must win by STEP_MARGIN (0.5%, 2.5 us here)
+    offset = {("wqkv", 1): -10.0, ("wqkv", 2): -3.0, ("w_gate_up", 1): -2.0, ("w_down", 3): -4.0, ("w_down", 1): 6.0}
+    calls = []
+
+    def step_us(tuning):
+        calls.append(tuning)
+        return 500.0 + sum(offset.get((role, config.depth), 0.0) for role, config in tuning.items())
+
+    variants = {role: [replace(config, depth=d) for d in gemv_k.STEP_DEPTHS[config.row_tiles]]
+                for role, config in best.items()}
+    chosen, held = autotune.depths_in_step(best, variants, step_us)
+    assert chosen == {"wqkv": C(1, 8, depth=1), "w_gate_up": C(2, 8), "w_down": C(1, 8, depth=3)}
+    assert held["w_gate_up"] == {C(2, 8): 490.0, C(2, 8, depth=1): 488.0}     # within the margin: kept
+    assert held["w_down"][C(1, 8, depth=3)] == 486.0                          # timed after wqkv changed
+    assert len(calls) == 1 + 3 + 1 + 3     # the incumbent once, then each role's other depths
 
 
 def test_replay_timing_launches_the_graph_n_times_between_two_events():

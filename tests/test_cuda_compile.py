@@ -19,24 +19,28 @@ from tinyinfer.kernels.build import SOURCES, source_text
 NVCC = shutil.which("nvcc")
 ARCHES = ["sm_75", "sm_86", "sm_90"]
 GEMV_ARGS = "(const unsigned char*, const __half*, int, int, int, const float*, const float*, float, float*)"
-# (encoding, group, row tiles, input, output, split): every encoding and group, every R, every
-# fusion, split-K clusters, and the register-tightest kernels (q4 R = 2 with RMSNorm and SwiGLU; f16
-# R = 2, which once kept its load ring in local memory).
-GEMV_INSTANCES = [("W_F16", 0, 1, "IN_RMSNORM", "OUT_STORE", 1), ("W_F16", 0, 2, "IN_PLAIN", "OUT_ADD", 1),
-                  ("W_Q4", 64, 2, "IN_RMSNORM", "OUT_SWIGLU", 1), ("W_Q8", 32, 2, "IN_RMSNORM", "OUT_SWIGLU", 1),
-                  ("W_Q8", 64, 2, "IN_PLAIN", "OUT_ADD", 1), ("W_Q8", 128, 1, "IN_RMSNORM", "OUT_STORE", 1),
-                  ("W_Q4", 32, 2, "IN_RMSNORM", "OUT_STORE", 1), ("W_Q4", 64, 1, "IN_RMSNORM", "OUT_SWIGLU", 1),
-                  ("W_Q4", 64, 2, "IN_PLAIN", "OUT_STORE", 1), ("W_Q4", 128, 2, "IN_PLAIN", "OUT_ADD", 1),
-                  ("W_Q4", 64, 1, "IN_PLAIN", "OUT_ADD", 2), ("W_Q8", 64, 2, "IN_PLAIN", "OUT_ADD", 2),
-                  ("W_F16", 0, 2, "IN_PLAIN", "OUT_STORE", 2)]
+# (encoding, group, row tiles, input, output, split, ring depth): every encoding and group, every R,
+# every fusion, split-K clusters, every ring depth the tuner tries (gemv.STEP_DEPTHS; f16 R = 1 skips
+# depth 2, whose ring nvcc puts in local memory), and the register-tightest kernels (q4 R = 2 with
+# RMSNorm and SwiGLU; f16 R = 2, which once kept its load ring in local memory).
+GEMV_INSTANCES = [("W_F16", 0, 1, "IN_RMSNORM", "OUT_STORE", 1, 4), ("W_F16", 0, 2, "IN_PLAIN", "OUT_ADD", 1, 2),
+                  ("W_Q4", 64, 2, "IN_RMSNORM", "OUT_SWIGLU", 1, 2), ("W_Q8", 32, 2, "IN_RMSNORM", "OUT_SWIGLU", 1, 2),
+                  ("W_Q8", 64, 2, "IN_PLAIN", "OUT_ADD", 1, 1), ("W_Q8", 128, 1, "IN_RMSNORM", "OUT_STORE", 1, 2),
+                  ("W_Q4", 32, 2, "IN_RMSNORM", "OUT_STORE", 1, 1), ("W_Q4", 64, 1, "IN_RMSNORM", "OUT_SWIGLU", 1, 4),
+                  ("W_Q4", 64, 2, "IN_PLAIN", "OUT_STORE", 1, 2), ("W_Q4", 128, 2, "IN_PLAIN", "OUT_ADD", 1, 2),
+                  ("W_Q4", 64, 1, "IN_PLAIN", "OUT_ADD", 2, 4), ("W_Q8", 64, 2, "IN_PLAIN", "OUT_ADD", 2, 2),
+                  ("W_F16", 0, 2, "IN_PLAIN", "OUT_STORE", 2, 1), ("W_Q4", 64, 1, "IN_RMSNORM", "OUT_STORE", 1, 1),
+                  ("W_Q4", 64, 1, "IN_PLAIN", "OUT_ADD", 1, 3), ("W_Q4", 64, 2, "IN_RMSNORM", "OUT_SWIGLU", 1, 1),
+                  ("W_Q8", 64, 1, "IN_PLAIN", "OUT_ADD", 2, 2), ("W_F16", 0, 1, "IN_RMSNORM", "OUT_SWIGLU", 1, 3),
+                  ("W_F16", 0, 1, "IN_PLAIN", "OUT_ADD", 2, 1)]
 
 
 def wrapper(name: str) -> str:
     """Source that includes `name` and instantiates its templates."""
     lines = [f'#include "{name}"']
     if name == "gemv.cu":
-        lines += [f"template __global__ void gemv<{e},{g},{r},{i},{o},{s}>{GEMV_ARGS};"
-                  for e, g, r, i, o, s in GEMV_INSTANCES]
+        lines += [f"template __global__ void gemv<{e},{g},{r},{i},{o},{s},{d}>{GEMV_ARGS};"
+                  for e, g, r, i, o, s, d in GEMV_INSTANCES]
     return "\n".join(lines) + "\n"
 
 
@@ -174,16 +178,18 @@ def nvrtc_and_headers():
 def test_kernel_compiles_with_nvrtc(name, cc):
     """What CuPy does at run time: NVRTC, our options, templates through name expressions."""
     from tinyinfer.kernels import build
-    from tinyinfer.kernels.gemv import CANDIDATES, GemvShape, name_expression
+    from tinyinfer.kernels.gemv import CANDIDATES, STEP_DEPTHS, GemvConfig, GemvShape, name_expression
 
     found = nvrtc_and_headers()
     if found is None:
         pytest.skip("NVRTC (cupy + nvidia-cuda-nvrtc) or the CUDA headers are not installed")
     nvrtc, include = found
     expressions = {
-        "gemv.cu": [name_expression(GemvShape(e, g, 1, 1, 1, i, o), rt, split) for e, g in [("q4", 64), ("q8", 32), ("f16", 0)]
-                    for rt, _ in CANDIDATES[::2] for i, o, split in [("rmsnorm", "store", 1), ("plain", "add", 1),
-                                                                     ("rmsnorm", "swiglu", 1), ("plain", "add", 2)]],
+        "gemv.cu": [name_expression(GemvShape(e, g, 1, 1, 1, i, o), GemvConfig(rt, 8, split, depth))
+                    for e, g in [("q4", 64), ("q8", 32), ("f16", 0)] for rt, _ in CANDIDATES[::2]
+                    for depth in (min(STEP_DEPTHS[rt]), max(STEP_DEPTHS[rt]))
+                    for i, o, split in [("rmsnorm", "store", 1), ("plain", "add", 1), ("rmsnorm", "swiglu", 1),
+                                        ("plain", "add", 2)]],
     }.get(name, [])
     program = nvrtc.createProgram(build.expanded_source(name), name, [], [])
     for expression in expressions:

@@ -64,9 +64,10 @@ def misc_module(cc):
     return misc_k.compile_misc(cc)
 
 
-def run_gemv(cp, cc, tensor, input, output, config, rng, x=None):
+def run_gemv(cp, cc, tensor, input, output, config, rng, x=None, mod=None):
     shape = gemv_k.shape_of(tensor, input, output)
-    mod, _ = gemv_k.compile_gemvs([(shape, config)], cc)
+    if mod is None:
+        mod, _ = gemv_k.compile_gemvs([(shape, config)], cc)
     k = tensor.cols
     x = rng.standard_normal(k).astype(np.float32) if x is None else x
     aux = (1 + 0.1 * rng.standard_normal(k)).astype(np.float32) if input == "rmsnorm" else None
@@ -121,6 +122,30 @@ def test_gemv_split_k_in_clusters(cupy_gpu, cc, encoding, name):
         for output in ("add", "store"):
             error = run_gemv(cupy_gpu, cc, tensor, "plain", output, gemv_k.GemvConfig(rt, warps, 2), rng)
             assert error <= MAX_ERROR, f"{encoding} {name} R={rt} warps={warps} split {output}: {error:.2e}"
+
+
+# Ring depths (items in flight per warp): a long input (many items per warp), an RMSNorm input of two
+# groups per thread (whose last ring slot loads after the staging, none before the wait at depth 1),
+# an odd size with a partial chunk, and many tiles per block (the ring runs across tile boundaries).
+DEPTH_SHAPES = {"tinyllama-down": ((2048, 5632), "plain", "add"), "norm-two-groups": ((600, 4096), "rmsnorm", "swiglu"),
+                "odd": ((100, 200), "rmsnorm", "store"), "many-tiles": ((9000, 264), "plain", "store")}
+
+
+@pytest.mark.parametrize("encoding", ["f16", "q8", "q4"])
+@pytest.mark.parametrize("name", list(DEPTH_SHAPES))
+def test_gemv_every_ring_depth(cupy_gpu, cc, encoding, name):
+    """Every configuration the tuner can choose (gemv.all_configs: each depth, with and without
+    split-K) on shapes that exercise the ring's corners, from one module per shape."""
+    rng = np.random.default_rng(zlib.crc32(f"depth{encoding}{name}".encode()))
+    (rows, cols), input, output = DEPTH_SHAPES[name]
+    tensor = random_encoded(encoding, (rows, cols), None if encoding == "f16" else 64, rng, 1 / np.sqrt(cols))
+    shape = gemv_k.shape_of(tensor, input, output)
+    configs = gemv_k.all_configs(shape, cc)
+    assert {c.depth for c in configs} == {1, 2, 3, 4}
+    mod, _ = gemv_k.compile_gemvs([(shape, c) for c in configs], cc)
+    for config in configs:
+        error = run_gemv(cupy_gpu, cc, tensor, input, output, config, rng, mod=mod)
+        assert error <= MAX_ERROR, f"{encoding} {name} {config.label}: {error:.2e}"
 
 
 def test_gemv_split_k_is_repeatable_bit_for_bit(cupy_gpu, cc):

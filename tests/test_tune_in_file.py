@@ -171,20 +171,28 @@ def test_only_known_gemv_configurations_are_accepted():
     assert tune_in_file.gemv_configs(good, roles) == {"wqkv": gemv.GemvConfig(2, 4), "wo": gemv.GemvConfig(1, 8)}
     split = dict(good, wo={"row_tiles": 1, "warps": 8, "split": 2})
     assert tune_in_file.gemv_configs(split, roles)["wo"] == gemv.GemvConfig(1, 8, 2)
+    # an entry without a depth (written before depths were tuned) means the depth it was timed at
+    assert tune_in_file.gemv_configs(good, roles)["wo"].depth == gemv.DEFAULT_DEPTH[1]
+    deep = dict(good, wo={"row_tiles": 1, "warps": 8, "depth": 1})
+    assert tune_in_file.gemv_configs(deep, roles)["wo"] == gemv.GemvConfig(1, 8, depth=1)
     for bad in ({"wqkv": good["wqkv"]},                                      # a role missing
                 dict(good, wo={"row_tiles": 3, "warps": 8}),                 # not a candidate
                 dict(good, wqkv={"row_tiles": 2, "warps": 4, "split": 2}),   # not a candidate for this role
                 dict(good, wo={"row_tiles": [1], "warps": 8}),               # not a number
+                dict(good, wo={"row_tiles": 1, "warps": 8, "depth": True}),  # not a number, though True == 1
+                dict(good, wo={"row_tiles": 1, "warps": 8, "depth": "1"}),
+                dict(good, wqkv={"row_tiles": 2, "warps": 4, "depth": 3}),   # R = 2 tries depths 1 and 2
                 dict(good, wqkv="2x4"),                                      # not a map
                 "not a map", None):
         assert tune_in_file.gemv_configs(bad, roles) is None, bad
 
 
 def candidates(roles) -> dict:
-    """role -> the configurations the tuner tries on a GPU without clusters."""
+    """role -> the configurations the tuner tries on a GPU without clusters (every depth)."""
     from tinyinfer.kernels import gemv
 
-    return {role: [gemv.GemvConfig(rt, warps) for rt, warps in gemv.CANDIDATES] for role in roles}
+    return {role: [gemv.GemvConfig(rt, warps, depth=d) for rt, warps in gemv.CANDIDATES for d in gemv.STEP_DEPTHS[rt]]
+            for role in roles}
 
 
 GPU_CONFIG = {"architecture": "llama", "dim": 256, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "head_dim": 64,
