@@ -335,12 +335,13 @@ __device__ __forceinline__ int tile_outputs() {
 // items (also across tile boundaries) in flight while the current one is multiplied, so the DRAM
 // queue never drains while a block reduces a tile.
 //
-// Ring depth (DEPTH, 1 to 4, tuned in the decode step). The first DEPTH items are loaded before the
-// PDL wait, and in the step those loads sit in the memory system ahead of the input's reads after
-// the wait, which every block waits for. Timed alone, depths 2 to 8 are within 5% of each other; in
-// the step the shallowest ring that still streams wins (H200: TinyLlama q4 -5.8% per token with
-// depth 1 on wqkv, wo and gate/up, 3 on the long-K down projection), and f16, whose items take
-// a quarter of q4's instructions per byte, still wants 4.
+// Ring depth (DEPTH, 1 to 4, tuned in the decode step; the first DEPTH items load before the PDL
+// wait). Timed alone, depths 2 to 8 are within 5% of each other; in the step a shallow ring wins
+// for q4 and q8 (H200: TinyLlama q4 -5.8% per token with depth 1 on wqkv, wo and gate/up and 3 on
+// the long-K down projection), while f16 keeps 4. Why is not pinned down: loading fewer items
+// before the wait at the same depth did not help (BENCHMARKS.md, s11), so it is not only the loads'
+// place ahead of the input's reads; a shallow ring also holds fewer registers (q4 R = 1: 86 at
+// depth 1, 128 at depth 4) and keeps fewer loads in flight per SM while other kernels' blocks run.
 //
 // B operand. Lane (g, t) holds A's k positions of "section" t: the 32 (q4) / 16 (q8) / 8 (f16)
 // columns of its own 16-byte load, which lie in one quantization group. B column n carries x for

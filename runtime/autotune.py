@@ -141,9 +141,9 @@ def depths_in_step(best: dict, variants: dict, step_us) -> tuple[dict, dict]:
     """Each role's ring depth by the whole step's time, one role after the other (in the order of
     `variants`).
 
-    Alone, a GEMV's ring depth hardly matters (depths 2 to 8 within 5%); in the step the loads a
-    kernel issues before its PDL wait sit ahead of its input's reads, and the best depth moved
-    TinyLlama q4 by 5.8% (H200). variants: role -> the role's configuration at each depth to try
+    Alone, a GEMV's ring depth hardly matters (depths 2 to 8 within 5%); in the step, where other
+    kernels' blocks run beside it, the best depth moved TinyLlama q4 by 5.8% (H200; gemv.cu says what
+    is known of why). variants: role -> the role's configuration at each depth to try
     (depth_variants). A depth replaces the current one only when the step is faster by STEP_MARGIN.
     Returns (the choices, role -> {config: step us} for every configuration timed)."""
     held = {}
