@@ -211,9 +211,9 @@ class CudaBackend(Backend):
     def compile(self) -> None:
         cc = self.compute_capability
         self.shapes = self.gemv_shapes()
-        items = [(shape, config) for shape in self.shapes.values() for config in gemv_k.configs_for(shape, cc)]
         self.gemv_module, _ = gemv_k.compile_gemvs(
             [(shape, config) for shape in self.shapes.values() for config in gemv_k.all_configs(shape, cc)], cc)
+        timed_alone = [(shape, config) for shape in self.shapes.values() for config in gemv_k.configs_for(shape, cc)]
         self.attn_module = attn_k.compile_attention(cc, self.attn_plan.cluster)
         self.misc_module = misc_k.compile_misc(cc)
         self.sample_module = sample_k.compile_sampler(cc)
@@ -222,13 +222,13 @@ class CudaBackend(Backend):
         # TinyLlama q4's step 1.2% slower with the same kernels chosen (H200, BENCHMARKS.md, tenth
         # session), so they load last and the others keep the places they had before split-K existed.
         # The other ring depths load when the tuner first tries them.
-        for shape, config in items:
+        for shape, config in timed_alone:
             if config.split == 1:
                 self.gemv_module.get_function(gemv_k.name_expression(shape, config))
         self.attn_module.get_function(self.attn_plan.kernel)
         self.misc_module.get_function("embed")
         self.sample_module.get_function("sample_token")
-        for shape, config in items:
+        for shape, config in timed_alone:
             if config.split > 1:
                 self.gemv_module.get_function(gemv_k.name_expression(shape, config))
 
@@ -353,8 +353,9 @@ class CudaBackend(Backend):
         self._flush = self._flush_buffer = None
         best, self.step_contests = autotune.confirm_in_step(best, self.tuning_times, self.step_us)
         # Largest matrix first: its depth moves the step most and changes which depths suit the others
-        # (H200, TinyLlama q4: wqkv first settled at 483 us per token, gate/up first at 468). The
-        # output head runs once per token: its depth moves the step by less than the timing noise.
+        # (on one H200, TinyLlama q4 settled at 483 us per token going wqkv first; gate/up first
+        # reached 468). The output head runs once per token: its depth moves the step by less than
+        # the timing noise.
         by_size = sorted((r for r in roles if r != "output"), key=lambda r: -self.shapes[r].weight_bytes)
         depths = {role: gemv_k.depth_variants(self.shapes[role], best[role]) for role in by_size}
         best, depth_trials = autotune.depths_in_step(best, depths, self.step_us)
