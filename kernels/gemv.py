@@ -145,10 +145,27 @@ def scale_offset(shape: GemvShape) -> int:
     return offset(shape.encoding, (shape.rows, shape.cols), shape.group) if shape.encoding != "f16" else 0
 
 
-def compile_gemvs(items, compute_capability: int):
-    """One RawModule holding every (shape, GemvConfig) instantiation in `items`."""
-    expressions = tuple(sorted({name_expression(shape, c) for shape, c in items}))
-    return module("gemv.cu", expressions, compute_capability), expressions
+class GemvModules:
+    """The instantiations of (shape, GemvConfig) pairs, one RawModule each, so that they compile on
+    parallel threads and CuPy caches each alone (models of one encoding share binaries). Lazy:
+    build.compile_all(self.modules) compiles them."""
+
+    def __init__(self, items, compute_capability: int):
+        expressions = sorted({name_expression(shape, c) for shape, c in items})
+        self.by_expression = {e: module("gemv.cu", (e,), compute_capability) for e in expressions}
+        self.modules = list(self.by_expression.values())
+
+    def get_function(self, expression: str):
+        return self.by_expression[expression].get_function(expression)
+
+
+def compile_gemvs(items, compute_capability: int) -> GemvModules:
+    """Every (shape, GemvConfig) instantiation in `items`, compiled."""
+    from tinyinfer.kernels.build import compile_all
+
+    mods = GemvModules(items, compute_capability)
+    compile_all(mods.modules)
+    return mods
 
 
 @lru_cache(maxsize=None)

@@ -141,7 +141,7 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_token(
     unsigned char* __restrict__ seen,      // [vocab] history set for the repetition penalty
     double* __restrict__ xs,               // [vocab] scratch
     int* __restrict__ state,
-    int* __restrict__ out_tokens, int out_cap,
+    int* __restrict__ out_tokens, int out_cap,  // [out_cap] by step; may be pinned host memory
     const void* __restrict__ emb_table, int emb_encoding, int emb_cols_pad, int dim,
     float* __restrict__ x)                 // the next step's input: the embedding of the chosen token
 {

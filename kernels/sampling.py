@@ -27,11 +27,15 @@ def compile_sampler(compute_capability: int):
 
 def make_sampler(mod, vocab: int, logits, params, uniforms, seen, scratch, state, out_tokens,
                  embedding, embedding_encoding: str, embedding_cols_pad: int, x) -> Launch:
-    """Pick the next token, feed it back through `state`, and write its embedding into x."""
+    """Pick the next token, feed it back through `state`, and write its embedding into x.
+
+    out_tokens[step] receives the token: a device array, or pinned host memory (a NumPy array from
+    cupyx.zeros_pinned), which the kernel writes directly since pinned pointers are valid on the device."""
     from tinyinfer.kernels.misc import EMBEDDING_ID
 
     kernel = mod.get_function("sample_token")
+    tokens = np.uint64(out_tokens.ctypes.data) if isinstance(out_tokens, np.ndarray) else out_tokens
     args = (logits, np.int32(vocab), params, uniforms, np.int32(uniforms.size), seen, scratch, state,
-            out_tokens, np.int32(out_tokens.size), embedding, np.int32(EMBEDDING_ID[embedding_encoding]),
+            tokens, np.int32(out_tokens.size), embedding, np.int32(EMBEDDING_ID[embedding_encoding]),
             np.int32(embedding_cols_pad), np.int32(x.size), x)
     return Launch("sample+embed", kernel, (1,), (THREADS,), args, 0, bytes_read=4 * vocab, waits=True)

@@ -36,7 +36,7 @@ from tinyinfer.runtime.errors import ContextOverflowError, DeviceError
 from tinyinfer.runtime.sampling import SamplingParams
 from tinyinfer.runtime.weights_upload import data_extent, upload_weights
 
-H2D, D2H, D2D = 1, 2, 3
+H2D, D2D = 1, 3
 LOOKAHEAD = 16          # decode steps queued ahead of the token the host is waiting for
 MARGIN_BYTES = 256 << 20
 GREEDY = SamplingParams()
@@ -80,6 +80,8 @@ def check_encodings(tinf) -> None:
 
 
 class CudaBackend(Backend):
+    launch_cache = None      # {key: Launch} while loading, see __init__
+
     def __init__(self, tinf_file, verbose: bool = False, max_context: int | None = None):
         import cupy as cp
 
@@ -114,12 +116,16 @@ class CudaBackend(Backend):
             self.allocate()
             self.compile()
             self.timings["compile_s"] = time.perf_counter() - tick
+            # Tuning rebuilds the step for every configuration it times; built once, each launch
+            # keeps its marshalled arguments (7B q4: 3,000 launches built in 0.3 s without this).
+            self.launch_cache = {}
             tick = time.perf_counter()
             tuning = self.tune()
             self.timings["tune_s"] = time.perf_counter() - tick
             tick = time.perf_counter()
             self.use_tuning(tuning)
             self.timings["capture_s"] = time.perf_counter() - tick
+            self.launch_cache = None
         self.stream.synchronize()
         self.timings["load_s"] = time.perf_counter() - started
         self.log(self.describe())
@@ -178,14 +184,16 @@ class CudaBackend(Backend):
         self.part_ml = cp.zeros(self.n_heads * self.attn_plan.slices * 2, dtype=cp.float32)
         self.counters = cp.zeros(self.n_kv, dtype=cp.uint32)
         self.state = cp.zeros(4, dtype=cp.int32)
-        self.out_tokens = cp.zeros(ctx + 1, dtype=cp.int32)
+        import cupyx
+
+        # Pinned host memory, which the sampler writes over the bus (mapped: CUDA's unified addressing
+        # makes the pointer valid in kernels): the host reads each token once its step's event has
+        # passed, with no copy in the stream between two steps.
+        self.out_tokens = cupyx.zeros_pinned(ctx + 1, dtype=np.int32)
         self.params = cp.asarray(sample_k.params_array(GREEDY))
         self.uniforms = cp.zeros(ctx + 1, dtype=cp.float64)
         self.seen = cp.zeros(self.vocab, dtype=cp.uint8)
         self.sample_scratch = cp.zeros(self.vocab, dtype=cp.float64)
-        import cupyx
-
-        self.host_tokens = cupyx.zeros_pinned(ctx + 1, dtype=np.int32)
 
     def gemv_shapes(self) -> dict:
         """(role -> GemvShape) for the five matrices of the model."""
@@ -211,17 +219,18 @@ class CudaBackend(Backend):
     def compile(self) -> None:
         cc = self.compute_capability
         self.shapes = self.gemv_shapes()
-        self.gemv_module, _ = gemv_k.compile_gemvs(
+        self.gemv_module = gemv_k.GemvModules(
             [(shape, config) for shape in self.shapes.values() for config in gemv_k.all_configs(shape, cc)], cc)
         timed_alone = [(shape, config) for shape in self.shapes.values() for config in gemv_k.configs_for(shape, cc)]
         self.attn_module = attn_k.compile_attention(cc, self.attn_plan.cluster)
         self.misc_module = misc_k.compile_misc(cc)
         self.sample_module = sample_k.compile_sampler(cc)
-        # Force NVRTC now, so its time is not charged to tuning. Functions load lazily, one after the
-        # other into device memory, in this order; loading the split-K kernels among the others made
-        # TinyLlama q4's step 1.2% slower with the same kernels chosen (H200, BENCHMARKS.md, tenth
-        # session), so they load last and the others keep the places they had before split-K existed.
-        # The other ring depths load when the tuner first tries them.
+        # NVRTC now, on parallel threads, so its time is not charged to tuning. Functions load lazily,
+        # one after the other into device memory, in the order below; loading the split-K kernels
+        # among the others made TinyLlama q4's step 1.2% slower with the same kernels chosen (H200,
+        # BENCHMARKS.md, tenth session), so they load last and the others keep the places they had
+        # before split-K existed. The other ring depths load when the tuner first tries them.
+        build.compile_all([*self.gemv_module.modules, self.attn_module, self.misc_module, self.sample_module])
         for shape, config in timed_alone:
             if config.split == 1:
                 self.gemv_module.get_function(gemv_k.name_expression(shape, config))
@@ -234,7 +243,18 @@ class CudaBackend(Backend):
 
     # ------------------------------------------------------------------------------ launches
 
+    def cached_launch(self, key, make):
+        """make(), or the launch made for `key` earlier while loading (self.launch_cache)."""
+        if self.launch_cache is None:
+            return make()
+        if key not in self.launch_cache:
+            self.launch_cache[key] = make()
+        return self.launch_cache[key]
+
     def gemv_launch(self, role: str, layer: int, config: gemv_k.GemvConfig):
+        return self.cached_launch(("gemv", role, layer, config), lambda: self.make_gemv_launch(role, layer, config))
+
+    def make_gemv_launch(self, role: str, layer: int, config: gemv_k.GemvConfig):
         eps = float(self.config["norm_eps"])
         name = self.layer_shape(role, layer)
         shape = self.shapes[role]
@@ -252,6 +272,9 @@ class CudaBackend(Backend):
                                 name=f"gemv {role}")
 
     def attention_launch(self, layer: int):
+        return self.cached_launch(("attention", layer), lambda: self.make_attention_launch(layer))
+
+    def make_attention_launch(self, layer: int):
         kv_row_bytes = self.n_kv * self.head_dim * 2
         return attn_k.make_attention(
             self.attn_module, self.n_heads, self.n_kv, self.head_dim, self.attn_plan.slices, self.attn_plan.threads,
@@ -504,13 +527,10 @@ class CudaBackend(Backend):
                 while produced < max_new_tokens:
                     while launched < max_new_tokens and launched - produced < LOOKAHEAD:
                         self.graph.launch(self.stream)
-                        self.cp.cuda.runtime.memcpyAsync(self.host_tokens.ctypes.data + 4 * launched,
-                                                         self.out_tokens.data.ptr + 4 * launched, 4, D2H,
-                                                         self.stream.ptr)
                         events[launched % LOOKAHEAD] = self.stream.record()
                         launched += 1
                     events[produced % LOOKAHEAD].synchronize()
-                    token = int(self.host_tokens[produced])
+                    token = int(self.out_tokens[produced])
                     produced += 1
                     yield token
         finally:

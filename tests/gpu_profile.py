@@ -20,7 +20,7 @@ cases = [((22016, 4096), "rmsnorm", "swiglu", (2, 4)), ((22016, 4096), "rmsnorm"
 for (rows, cols), inp, outp, (rt, w) in cases:
     t = random_encoded("q4", (rows, cols), 64, rng, 1 / np.sqrt(cols))
     shape = gemv_k.shape_of(t, inp, outp)
-    mod, _ = gemv_k.compile_gemvs([(shape, gemv_k.GemvConfig(rt, w))], cc)
+    mod = gemv_k.compile_gemvs([(shape, gemv_k.GemvConfig(rt, w))], cc)
     raw = np.zeros(tensor_nbytes("q4", (rows, cols), 64), np.uint8)
     for off, arr in t.parts():
         b = np.ascontiguousarray(arr).view(np.uint8).reshape(-1)

@@ -48,7 +48,8 @@ def probe_arrays(module):
 
 
 def modules(b):
-    return (b.gemv_module, b.attn_module, b.sample_module)
+    """Every module of the step: each holds its own probe buffer."""
+    return (*b.gemv_module.modules, b.attn_module, b.sample_module)
 
 
 def collect(b, prompt) -> np.ndarray:

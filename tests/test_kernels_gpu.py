@@ -67,7 +67,7 @@ def misc_module(cc):
 def run_gemv(cp, cc, tensor, input, output, config, rng, x=None, mod=None):
     shape = gemv_k.shape_of(tensor, input, output)
     if mod is None:
-        mod, _ = gemv_k.compile_gemvs([(shape, config)], cc)
+        mod = gemv_k.compile_gemvs([(shape, config)], cc)
     k = tensor.cols
     x = rng.standard_normal(k).astype(np.float32) if x is None else x
     aux = (1 + 0.1 * rng.standard_normal(k)).astype(np.float32) if input == "rmsnorm" else None
@@ -142,7 +142,7 @@ def test_gemv_every_ring_depth(cupy_gpu, cc, encoding, name):
     shape = gemv_k.shape_of(tensor, input, output)
     configs = gemv_k.all_configs(shape, cc)
     assert {c.depth for c in configs} == {1, 2, 3, 4}
-    mod, _ = gemv_k.compile_gemvs([(shape, c) for c in configs], cc)
+    mod = gemv_k.compile_gemvs([(shape, c) for c in configs], cc)
     for config in configs:
         error = run_gemv(cupy_gpu, cc, tensor, input, output, config, rng, mod=mod)
         assert error <= MAX_ERROR, f"{encoding} {name} {config.label}: {error:.2e}"
@@ -157,7 +157,7 @@ def test_gemv_split_k_is_repeatable_bit_for_bit(cupy_gpu, cc):
     tensor = random_encoded("q4", (4096, 11008), 64, rng, 1 / np.sqrt(11008))
     shape = gemv_k.shape_of(tensor, "plain", "store")
     config = gemv_k.GemvConfig(1, 8, 2)
-    mod, _ = gemv_k.compile_gemvs([(shape, config)], cc)
+    mod = gemv_k.compile_gemvs([(shape, config)], cc)
     y = cp.full(4096, np.nan, dtype=cp.float32)
     launch = gemv_k.make_gemv(mod, shape, config, cp.asarray(stored_bytes(tensor)),
                               cp.asarray(rng.standard_normal(11008).astype(np.float32)), y)
@@ -271,13 +271,20 @@ def test_attention_matches_reference(cupy_gpu, cc, name, cluster, threads, kerne
 
 # ----------------------------------------------------------------------------------------- sampling
 
-def run_sampler(cp, cc, logits, params, history, uniforms, step=0):
+def run_sampler(cp, cc, logits, params, history, uniforms, step=0, host_tokens=False):
+    """host_tokens: the tokens go to pinned host memory, as in the decode engine."""
+    import cupyx
+
     vocab = logits.size
     mod = sample_k.compile_sampler(cc)
     seen = np.zeros(vocab, np.uint8)
     seen[list(history)] = 1
     state = cp.asarray(np.array([7, -1, step, 0], np.int32))
-    out_tokens = cp.full(len(uniforms) + 1, -1, dtype=cp.int32)
+    if host_tokens:
+        out_tokens = cupyx.empty_pinned(len(uniforms) + 1, dtype=np.int32)
+        out_tokens[:] = -1
+    else:
+        out_tokens = cp.full(len(uniforms) + 1, -1, dtype=cp.int32)
     seen_dev = cp.asarray(seen)
     table = np.random.default_rng(vocab).standard_normal((vocab, 72)).astype(np.float16)
     x = cp.full(72, np.nan, dtype=cp.float32)
@@ -287,7 +294,7 @@ def run_sampler(cp, cc, logits, params, history, uniforms, step=0):
     launch()
     token = int(state.get()[1])
     np.testing.assert_array_equal(x.get(), table[token].astype(np.float32))   # the chosen token, embedded
-    return state.get(), out_tokens.get(), seen_dev.get()
+    return state.get(), out_tokens.copy() if host_tokens else out_tokens.get(), seen_dev.get()
 
 
 SAMPLING = [
@@ -319,6 +326,17 @@ def test_sampler_matches_reference(cupy_gpu, cc, params, ties):
         assert state[1] == expected, f"trial {trial}: device {state[1]}, reference {expected}"
         assert out_tokens[step] == expected and state[2] == step + 1 and state[0] == 8
         assert bool(seen[expected]) == (params.repetition_penalty != 1.0 or expected in set(history))
+
+
+def test_sampler_writes_tokens_into_pinned_host_memory(cupy_gpu, cc):
+    rng = np.random.default_rng(11)
+    for step in range(3):
+        logits = rng.standard_normal(32000).astype(np.float32)
+        state, out_tokens, _ = run_sampler(cupy_gpu, cc, logits, SamplingParams(), [], rng.random(step + 1), step,
+                                           host_tokens=True)
+        expected = int(np.argmax(logits))
+        assert state[1] == expected and out_tokens[step] == expected
+        assert np.all(np.delete(out_tokens, step) == -1)
 
 
 def test_greedy_lowest_index_wins_ties(cupy_gpu, cc):
