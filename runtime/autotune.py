@@ -143,9 +143,10 @@ def depths_in_step(best: dict, variants: dict, step_us) -> tuple[dict, dict]:
 
     Alone, a GEMV's ring depth hardly matters (depths 2 to 8 within 5%); in the step, where other
     kernels' blocks run beside it, the best depth moved TinyLlama q4 by 5.8% (H200; gemv.cu says what
-    is known of why). variants: role -> the role's configuration at each depth to try
-    (depth_variants). A depth replaces the current one only when the step is faster by STEP_MARGIN.
-    Returns (the choices, role -> {config: step us} for every configuration timed)."""
+    is known of why). variants: role -> the configurations to try (the role's configuration at each
+    depth, and the loser of its step contest at each depth: CudaBackend.depth_options). One replaces
+    the current choice only when the step is faster by STEP_MARGIN. Returns (the choices, role ->
+    {config: step us} for every configuration timed)."""
     held = {}
     current = step_us(best)
     for role, options in variants.items():

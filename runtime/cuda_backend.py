@@ -380,7 +380,7 @@ class CudaBackend(Backend):
         # reached 468). The output head runs once per token: its depth moves the step by less than
         # the timing noise.
         by_size = sorted((r for r in roles if r != "output"), key=lambda r: -self.shapes[r].weight_bytes)
-        depths = {role: gemv_k.depth_variants(self.shapes[role], best[role]) for role in by_size}
+        depths = {role: self.depth_options(role, best[role]) for role in by_size}
         best, depth_trials = autotune.depths_in_step(best, depths, self.step_us)
         for role, times in depth_trials.items():
             self.step_contests[role] = {**self.step_contests.get(role, {}), **times}
@@ -389,6 +389,19 @@ class CudaBackend(Backend):
                              {"gpu": self.gpu_name, "compute_capability": self.compute_capability,
                               "file": str(self.tinf.path), "shapes": {r: self.shapes[r].key for r in roles}})
         return best
+
+    def depth_options(self, role: str, chosen: gemv_k.GemvConfig) -> list:
+        """The configurations the depth stage tries for a role: the chosen one at every depth, and
+        so does the loser of the role's step contest. That contest is held at the default depths,
+        where split-K and unsplit can be within 1% (TinyLlama q4's down projection), while at the
+        depths chosen later the split one is 4% faster: decided there, one tuning in five kept the
+        slower set (H200, BENCHMARKS.md s12)."""
+        shape = self.shapes[role]
+        options = gemv_k.depth_variants(shape, chosen)
+        for rival in self.step_contests.get(role, {}):
+            if rival != chosen:
+                options += [c for c in gemv_k.depth_variants(shape, rival) if c not in options]
+        return options
 
     def step_us(self, tuning: dict, replays: int = 12) -> float:
         """GPU microseconds per decode step with these GEMV configurations: graph replays back to

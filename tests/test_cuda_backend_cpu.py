@@ -370,6 +370,25 @@ def test_ring_depths_are_chosen_in_the_whole_step():
     assert len(calls) == 1 + 3 + 1 + 3     # the incumbent once, then each role's other depths
 
 
+def test_the_step_contests_loser_stays_in_the_depth_stage():
+    """The split-K contest is held at the default depths; at other depths the loser can win (H200,
+    TinyLlama q4's down projection), so the depth stage tries it at every depth too."""
+    from types import SimpleNamespace
+
+    from tinyinfer.runtime.cuda_backend import CudaBackend
+
+    C = gemv_k.GemvConfig
+    q4 = gemv_k.shape_of(random_encoded("q4", (256, 512), 64, np.random.default_rng(0)), "plain", "add")
+    fake = SimpleNamespace(shapes={"w_down": q4, "wo": q4}, step_contests={"w_down": {C(1, 8): 505.0, C(1, 8, 2): 507.0}})
+    options = CudaBackend.depth_options(fake, "w_down", C(1, 8))
+    assert options == gemv_k.depth_variants(q4, C(1, 8)) + gemv_k.depth_variants(q4, C(1, 8, 2))
+    assert CudaBackend.depth_options(fake, "wo", C(1, 8)) == gemv_k.depth_variants(q4, C(1, 8))   # no contest held
+    best = {"w_down": C(1, 8)}
+    us = {C(1, 8): 505.0, C(1, 8, 2): 507.0, C(1, 8, 2, 2): 490.0}
+    chosen, held = autotune.depths_in_step(best, {"w_down": options}, lambda t: us.get(t["w_down"], 510.0))
+    assert chosen == {"w_down": C(1, 8, 2, 2)} and len(held["w_down"]) == 8
+
+
 def test_replay_timing_launches_the_graph_n_times_between_two_events():
     """CudaBackend.replay_us (the step contests and bench's graph time) with a stand-in stream."""
     from types import SimpleNamespace
