@@ -77,8 +77,8 @@ def compile_all(modules) -> None:
 
     NVRTC releases the GIL, so a first-ever build of a q4 model's 24 GEMV instantiations takes ~3 s
     on 16 cores instead of 12 s in one module; but a pool costs ~0.35 s more than loading 24 cached
-    modules in turn (0.07 s; H200 host, BENCHMARKS.md s12). So modules load in turn until one takes
-    long enough to be a compilation, and the rest go to the pool."""
+    modules in turn (0.04-0.07 s; H200 host, BENCHMARKS.md s12). So modules load in turn until one
+    takes long enough to be a compilation, and the rest go to the pool."""
     import cupy
 
     pending = list(modules)

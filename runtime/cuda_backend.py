@@ -391,11 +391,11 @@ class CudaBackend(Backend):
         return best
 
     def depth_options(self, role: str, chosen: gemv_k.GemvConfig) -> list:
-        """The configurations the depth stage tries for a role: the chosen one at every depth, and
-        so does the loser of the role's step contest. That contest is held at the default depths,
-        where split-K and unsplit can be within 1% (TinyLlama q4's down projection), while at the
-        depths chosen later the split one is 4% faster: decided there, one tuning in five kept the
-        slower set (H200, BENCHMARKS.md s12)."""
+        """The configurations the depth stage tries for a role: the chosen one and the loser of the
+        role's step contest (split-K against unsplit, or R = 1 against R = 2), each at every depth.
+        The contest is held at the default depths, where TinyLlama q4's down projection split and
+        unsplit were within 1%, while at the depths chosen later split-K is 4% faster: decided at
+        the contest alone, one fresh tuning in five kept the slower set (H200, BENCHMARKS.md s12)."""
         shape = self.shapes[role]
         options = gemv_k.depth_variants(shape, chosen)
         for rival in self.step_contests.get(role, {}):
