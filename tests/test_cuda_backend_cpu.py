@@ -402,3 +402,43 @@ def test_replay_timing_launches_the_graph_n_times_between_two_events():
     fake = SimpleNamespace(stream=stream, graph=graph, cp=cp)
     assert CudaBackend.replay_us(fake, 6) == 500.0
     assert log == ["event"] + ["replay"] * 6 + ["event", "sync"]
+
+
+def test_compile_all_loads_cached_modules_in_turn_and_compiles_the_rest_on_threads(monkeypatch):
+    """build.compile_all with stand-in modules: fast ones (found in CuPy's cache) load on the calling
+    thread; from the first slow one (a compilation) on, the rest go to a pool, on the caller's device."""
+    import sys
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    class Device:
+        current = threading.local()
+
+        def __init__(self, index=None):
+            self.id = 3 if index is None else index
+
+        def __enter__(self):
+            Device.current.id = self.id
+
+        def __exit__(self, *exc):
+            Device.current.id = None
+
+    monkeypatch.setitem(sys.modules, "cupy", SimpleNamespace(cuda=SimpleNamespace(Device=Device)))
+    monkeypatch.setattr(build, "COMPILED_S", 0.05)
+    log = []
+
+    class Module:
+        def __init__(self, name, seconds):
+            self.name, self.seconds = name, seconds
+
+        def compile(self):
+            time.sleep(self.seconds)
+            log.append((self.name, threading.current_thread() is threading.main_thread(),
+                        getattr(Device.current, "id", None)))
+
+    build.compile_all([Module("a", 0), Module("b", 0), Module("c", 0.1), Module("d", 0), Module("e", 0)])
+    assert sorted(log) == [("a", True, None), ("b", True, None), ("c", True, None), ("d", False, 3), ("e", False, 3)]
+    log.clear()
+    build.compile_all([Module("a", 0), Module("b", 0)])            # all cached: no pool
+    assert log == [("a", True, None), ("b", True, None)]
