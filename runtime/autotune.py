@@ -5,7 +5,7 @@ block, x split-K where it can run) on the model's own weights: one launch per la
 launch streams weights that are not in L2, after an L2 flush and behind a GPU-side wait so the
 host's launch cost stays out of the measurement. Where timing alone is known to mislead (a split-K
 pick, a tie), the whole decode step settles it (confirm_in_step), and the ring depth, which only
-shows in the step, is chosen there (depths_in_step). The choices are saved in a user
+shows in the step, is chosen there (variants_in_step), as is the grid's balance. The choices are saved in a user
 cache keyed by the file's tensor checksums, the GPU, its compute capability and the kernel
 sources, so a second load of the same file does not re-tune.
 """
@@ -137,17 +137,20 @@ def confirm_in_step(best: dict, timings: dict, step_us, rounds: int = 2) -> tupl
     return best, held
 
 
-def depths_in_step(best: dict, variants: dict, step_us) -> tuple[dict, dict]:
-    """Each role's ring depth by the whole step's time, one role after the other (in the order of
-    `variants`).
+def variants_in_step(best: dict, variants: dict, step_us) -> tuple[dict, dict]:
+    """Each role's configuration among `variants` by the whole step's time, one role after the
+    other (in the order of `variants`).
 
-    Alone, a GEMV's ring depth hardly matters (depths 2 to 8 within 5%); in the step, where other
-    kernels' blocks run beside it, the best depth moved TinyLlama q4 by 5.8% (H200; gemv.cu says what
-    is known of why). variants: role -> the configurations to try (the role's configuration at each
-    depth, and the loser of its step contest at each depth: CudaBackend.depth_options). One replaces
-    the current choice only when the step is faster by STEP_MARGIN. Returns (the choices, role ->
-    {config: step us} for every configuration timed)."""
+    Used for what only shows in the step. The ring depth: alone, depths 2 to 8 are within 5%; in the
+    step, where other kernels' blocks run beside it, the best depth moved TinyLlama q4 by 5.8% (H200;
+    gemv.cu says what is known of why). The grid's balance (gemv.grid_units), which changes which
+    block slots the next kernels find free. variants: role -> the configurations to try (e.g. the
+    role's configuration at each depth, and the loser of its step contest at each depth:
+    CudaBackend.depth_options). One replaces the current choice only when the step is faster by
+    STEP_MARGIN. Returns (the choices, role -> {config: step us} for every configuration timed)."""
     held = {}
+    if not variants:
+        return best, held
     current = step_us(best)
     for role, options in variants.items():
         times = {best[role]: current}

@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from dataclasses import replace
 
 import numpy as np
 
@@ -381,8 +382,11 @@ class CudaBackend(Backend):
         # the timing noise.
         by_size = sorted((r for r in roles if r != "output"), key=lambda r: -self.shapes[r].weight_bytes)
         depths = {role: self.depth_options(role, best[role]) for role in by_size}
-        best, depth_trials = autotune.depths_in_step(best, depths, self.step_us)
-        for role, times in depth_trials.items():
+        best, depth_trials = autotune.variants_in_step(best, depths, self.step_us)
+        # Then the grid: balanced or not changes which block slots the next kernels find free.
+        grids = {role: self.grid_options(role, best[role]) for role in by_size}
+        best, grid_trials = autotune.variants_in_step(best, {r: o for r, o in grids.items() if o}, self.step_us)
+        for role, times in [*depth_trials.items(), *grid_trials.items()]:
             self.step_contests[role] = {**self.step_contests.get(role, {}), **times}
         self.tuning_source = "measured"
         autotune.save_cached(key, {role: best[role].as_dict() for role in roles},
@@ -402,6 +406,12 @@ class CudaBackend(Backend):
             if rival != chosen:
                 options += [c for c in gemv_k.depth_variants(shape, rival) if c not in options]
         return options
+
+    def grid_options(self, role: str, chosen: gemv_k.GemvConfig) -> list:
+        """The chosen configuration with the balanced grid (gemv.grid_units), where that is a
+        different grid."""
+        rival = replace(chosen, balanced=not chosen.balanced)
+        return [rival] if self.gemv_launch(role, 0, rival).grid != self.gemv_launch(role, 0, chosen).grid else []
 
     def step_us(self, tuning: dict, replays: int = 12) -> float:
         """GPU microseconds per decode step with these GEMV configurations: graph replays back to

@@ -124,7 +124,10 @@ def gemv_configs(choices, candidates: dict) -> dict | None:
         # Plain ints only: a bool compares equal to 1 and a list does not hash.
         if any(type(value) is not int for value in fields):
             return None
-        config = gemv.GemvConfig(*fields)
+        balanced = choice.get("balanced", False)
+        if type(balanced) is not bool:
+            return None
+        config = gemv.GemvConfig(*fields, balanced=balanced)
         if config not in allowed:
             return None
         configs[role] = config

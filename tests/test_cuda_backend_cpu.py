@@ -347,7 +347,24 @@ def test_ring_depths_default_round_trip_and_variants():
     assert [c.depth for c in gemv_k.depth_variants(f16, C(1, 8))] == [1, 3, 4]      # depth 2 spills there
     assert all(c.split == 2 and c.warps == 8 for c in gemv_k.depth_variants(q4, C(1, 8, 2)))
     assert set(gemv_k.configs_for(q4, 90)) < set(gemv_k.all_configs(q4, 90))
-    assert len(gemv_k.all_configs(q4, 90)) == 2 * 2 * (4 + 2)     # splits x warps x (R1 depths + R2 depths)
+    assert len(gemv_k.all_configs(q4, 90)) == 2 * 2 * (4 + 2) * 2     # splits x warps x (R1 + R2 depths) x grids
+
+
+def test_balanced_grids_keep_the_rounds_with_fewer_blocks():
+    C = gemv_k.GemvConfig
+    # Llama-2-7B's gate/up at R = 2 (688 tiles) on 132 SMs x 2 blocks: 3 rounds either way
+    assert gemv_k.grid_units(688, 264, False) == 264 and gemv_k.grid_units(688, 264, True) == 230
+    assert gemv_k.grid_units(352, 264, True) == 176 and gemv_k.grid_units(768, 264, True) == 256
+    for tiles in range(1, 2000, 7):
+        for resident in (1, 64, 132, 264, 528):
+            plain, balanced = gemv_k.grid_units(tiles, resident, False), gemv_k.grid_units(tiles, resident, True)
+            assert balanced <= plain == min(tiles, resident)
+            assert -(-tiles // balanced) == -(-tiles // plain)       # as many rounds
+            assert balanced == 1 or -(-tiles // (balanced - 1)) > -(-tiles // plain)   # the fewest blocks
+    # caches and files: no key means the persistent grid, as before the option existed
+    assert "balanced" not in C(2, 8, 1, 1).as_dict()
+    assert C(2, 8, 1, 1, True).as_dict() == {"row_tiles": 2, "warps": 8, "depth": 1, "balanced": True}
+    assert C(**C(2, 8, 1, 1, True).as_dict()) == C(2, 8, 1, 1, True) and C(2, 8, 1, 1, True).label.endswith("/bal")
 
 
 def test_ring_depths_are_chosen_in_the_whole_step():
@@ -363,7 +380,7 @@ def test_ring_depths_are_chosen_in_the_whole_step():
 
     variants = {role: [replace(config, depth=d) for d in gemv_k.STEP_DEPTHS[config.row_tiles]]
                 for role, config in best.items()}
-    chosen, held = autotune.depths_in_step(best, variants, step_us)
+    chosen, held = autotune.variants_in_step(best, variants, step_us)
     assert chosen == {"wqkv": C(1, 8, depth=1), "w_gate_up": C(2, 8), "w_down": C(1, 8, depth=3)}
     assert held["w_gate_up"] == {C(2, 8): 490.0, C(2, 8, depth=1): 488.0}     # within the margin: kept
     assert held["w_down"][C(1, 8, depth=3)] == 486.0                          # timed after wqkv changed
@@ -385,8 +402,24 @@ def test_the_step_contests_loser_stays_in_the_depth_stage():
     assert CudaBackend.depth_options(fake, "wo", C(1, 8)) == gemv_k.depth_variants(q4, C(1, 8))   # no contest held
     best = {"w_down": C(1, 8)}
     us = {C(1, 8): 505.0, C(1, 8, 2): 507.0, C(1, 8, 2, 2): 490.0}
-    chosen, held = autotune.depths_in_step(best, {"w_down": options}, lambda t: us.get(t["w_down"], 510.0))
+    chosen, held = autotune.variants_in_step(best, {"w_down": options}, lambda t: us.get(t["w_down"], 510.0))
     assert chosen == {"w_down": C(1, 8, 2, 2)} and len(held["w_down"]) == 8
+
+
+def test_the_grid_stage_tries_the_other_grid_where_it_differs():
+    """CudaBackend.grid_options: the balanced grid only where it has fewer blocks (the same launch
+    otherwise costs a step timing for nothing)."""
+    from types import SimpleNamespace
+
+    from tinyinfer.runtime.cuda_backend import CudaBackend
+
+    C = gemv_k.GemvConfig
+    tiles = {"w_gate_up": 688, "wo": 256}           # Llama-2-7B q4 at R = 2 and R = 1, 264 block slots
+    fake = SimpleNamespace(gemv_launch=lambda role, layer, c: SimpleNamespace(
+        grid=(gemv_k.grid_units(tiles[role], 264, c.balanced),)))
+    assert CudaBackend.grid_options(fake, "w_gate_up", C(2, 8, 1, 1)) == [C(2, 8, 1, 1, True)]
+    assert CudaBackend.grid_options(fake, "w_gate_up", C(2, 8, 1, 1, True)) == [C(2, 8, 1, 1)]
+    assert CudaBackend.grid_options(fake, "wo", C(1, 8, 1, 4)) == []       # one round of 256 tiles either way
 
 
 def test_replay_timing_launches_the_graph_n_times_between_two_events():

@@ -175,6 +175,8 @@ def test_only_known_gemv_configurations_are_accepted():
     assert tune_in_file.gemv_configs(good, roles)["wo"].depth == gemv.DEFAULT_DEPTH[1]
     deep = dict(good, wo={"row_tiles": 1, "warps": 8, "depth": 1})
     assert tune_in_file.gemv_configs(deep, roles)["wo"] == gemv.GemvConfig(1, 8, depth=1)
+    balanced = dict(good, wo={"row_tiles": 1, "warps": 8, "balanced": True})
+    assert tune_in_file.gemv_configs(balanced, roles)["wo"] == gemv.GemvConfig(1, 8, balanced=True)
     for bad in ({"wqkv": good["wqkv"]},                                      # a role missing
                 dict(good, wo={"row_tiles": 3, "warps": 8}),                 # not a candidate
                 dict(good, wqkv={"row_tiles": 2, "warps": 4, "split": 2}),   # not a candidate for this role
@@ -182,16 +184,18 @@ def test_only_known_gemv_configurations_are_accepted():
                 dict(good, wo={"row_tiles": 1, "warps": 8, "depth": True}),  # not a number, though True == 1
                 dict(good, wo={"row_tiles": 1, "warps": 8, "depth": "1"}),
                 dict(good, wqkv={"row_tiles": 2, "warps": 4, "depth": 3}),   # R = 2 tries depths 1 and 2
+                dict(good, wo={"row_tiles": 1, "warps": 8, "balanced": 1}),  # not a bool
                 dict(good, wqkv="2x4"),                                      # not a map
                 "not a map", None):
         assert tune_in_file.gemv_configs(bad, roles) is None, bad
 
 
 def candidates(roles) -> dict:
-    """role -> the configurations the tuner tries on a GPU without clusters (every depth)."""
+    """role -> the configurations the tuner tries on a GPU without clusters (every depth, either grid)."""
     from tinyinfer.kernels import gemv
 
-    return {role: [gemv.GemvConfig(rt, warps, depth=d) for rt, warps in gemv.CANDIDATES for d in gemv.STEP_DEPTHS[rt]]
+    return {role: [gemv.GemvConfig(rt, warps, depth=d, balanced=b) for rt, warps in gemv.CANDIDATES
+                   for d in gemv.STEP_DEPTHS[rt] for b in (False, True)]
             for role in roles}
 
 
