@@ -1,8 +1,10 @@
 // Decode attention for one layer: RoPE, KV-cache append and causal softmax(q k^T) v, in one kernel.
-// Two kernels, chosen by shape in attention.py (plan): `attention` (flash-decoding: the context is
-// split over the blocks of a KV head, and each block walks its slice in chunks staged in shared
-// memory) and, at the end of this file, `attention_rows` (a block per query head, its rows in
-// registers). The notes below up to that section are about `attention`.
+// Three kernels, chosen by shape in attention.py (plan): `attention` (flash-decoding: the context
+// is split over the blocks of a KV head, and each block walks its slice in chunks staged in shared
+// memory), further down `attention_rows` (a block per query head, its rows in registers) and, at
+// the end of this file, `attention_mma64/128` (a block per KV head, rows in registers, products on
+// the tensor cores: the default where it fits). The notes below up to the second section are about
+// `attention`.
 //
 // Data: qkv [(n_heads + 2 n_kv) * hd] f32 (q heads, then k, then v); k_cache / v_cache
 // [max_ctx][n_kv][hd] fp16; rope tables [max_ctx][hd/2] (rotate-half); out [n_heads * hd] f32.
@@ -708,3 +710,302 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS, 2) attention_rows(
         out[(size_t)head * hd + d] = num / den;
     }
 }
+
+// ------------------------------------------------------------------------------- tensor cores
+//
+// attention_mma: the same step (RoPE, KV append, causal softmax(q k^T) v) with one block per KV
+// HEAD for groups of at most 8 query heads and head_dim 64 or 128, its products on the tensor
+// cores (mma.m16n8k16, fp32 accumulation). Each K/V row is read once for the whole group (as in
+// the chunked kernel), and as in attention_rows the rows stay in registers, every global load is
+// 16 bytes and nothing goes through shared memory until the warps merge at the end.
+//
+// Work. Warp w holds, per pass, BLOCKS blocks of 16 rows (PASS_ROWS a block: 256 for head_dim 64,
+// 128 for 128); the first pass's rows below pos are loaded before the PDL wait. Each warp keeps a
+// FlashAttention state per head over its rows; the warps merge through shared memory.
+//
+// Fragments (lane (g, t) of a warp, g = lane / 4, t = lane % 4):
+// - A (16 rows) holds each head twice: row h the fp16 value of its rotated, scaled q, row h + 8 the
+//   rounding error of that value (q = hi + lo), so the score C[h] + C[h + 8] is as exact as with
+//   fp32 q. The probabilities P (A of p . V) are split the same way.
+// - K and V rows are B operands. For row g of each 8-row tile, lane t loads the 16-byte pieces at
+//   dims 32 i + 8 t (i < hd / 32), and the mma's k index is permuted to match:
+//   scores: k step (i, h) (hd / 16 of them) takes words 2h and 2h + 1 of piece i: logical k 2t, 2t+1
+//           is dim 32 i + 8 t + 4 h + {0, 1}, and 2t+8, 2t+9 is + {2, 3}. q is permuted alike, so
+//           q . k is unchanged.
+//   p . V:  word w of piece i of the 8 rows, transposed by movmatrix, is the B fragment of output
+//           tile (i, w) (rows 2t, 2t+1, dim 32 i + 8 (g / 2) + 2 w + g % 2), so lane (g, t) ends
+//           with dims 32 i + 8 t + 2 w + {0, 1} of head g.
+// Row pos is this step's: every lane rotates its dims of k (RoPE pairs d and d + hd/2 lie in the
+// same lane), and the lanes of warp 0 with g = 0 write the row to the cache.
+#define MMA_WARPS 8             // warps per block
+#define MMA_MAX_GROUP 8         // query heads per KV head (A rows 8-15 carry the low halves)
+
+// movmatrix: lane (g, t) holding M[g][2t .. 2t+1] of an 8x8 fp16 matrix gets M[2t .. 2t+1][g].
+TI_DEVICE u32 transpose8x8(u32 v) {
+    u32 r;
+    asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(r) : "r"(v));
+    return r;
+}
+
+TI_DEVICE u32 word_of(const uint4& v, int i) {
+    return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
+}
+
+// x = hi + lo in two fp16 pairs (hi: the rounded pair, lo: its rounding error).
+TI_DEVICE void split_pair(float a, float b, u32& hi, u32& lo) {
+    const __half2 h = __floats2half2_rn(a, b);
+    const float2 back = __half22float2(h);
+    hi = as_u32(h);
+    lo = pack_half2(a - back.x, b - back.y);
+}
+
+// Eight floats at p (an activation: coherent loads).
+TI_DEVICE void load8_activation(const float* p, float (&v)[8]) {
+    unpack8(load_activation4(p), load_activation4(p + 4), v);
+}
+
+// Dims 32 i + 8 t + e (e < 8) of one head's vector x after rotate-half RoPE with the tables of one
+// position, for every piece i: the partner of piece i is piece i +- PIECES/2 of the same lane.
+template <int PIECES>
+TI_DEVICE void rope_pieces(const float (&x)[PIECES][8], const float (&c)[PIECES / 2][8],
+                           const float (&s)[PIECES / 2][8], float (&out)[PIECES][8]) {
+#pragma unroll
+    for (int i = 0; i < PIECES; ++i) {
+        const bool lower = i < PIECES / 2;
+        const int partner = lower ? i + PIECES / 2 : i - PIECES / 2, ti = lower ? i : partner;
+#pragma unroll
+        for (int e = 0; e < 8; ++e)
+            out[i][e] = lower ? x[i][e] * c[ti][e] - x[partner][e] * s[ti][e]
+                              : x[i][e] * c[ti][e] + x[partner][e] * s[ti][e];
+    }
+}
+
+template <int HD>
+TI_DEVICE void attention_mma_body(const float* __restrict__ qkv, __half* __restrict__ k_cache,
+                                  __half* __restrict__ v_cache, const int* __restrict__ state,
+                                  const float* __restrict__ rope_cos, const float* __restrict__ rope_sin,
+                                  int n_heads, int n_kv, int max_ctx, float* __restrict__ out) {
+    constexpr int PIECES = HD / 32;          // 16-byte pieces of a row per lane
+    constexpr int BLOCKS = 128 / HD;         // 16-row blocks per warp per pass
+    constexpr int WARP_ROWS = 16 * BLOCKS;
+    constexpr int PASS_ROWS = MMA_WARPS * WARP_ROWS;
+    constexpr int TILES = HD / 8;            // output tiles of p . V, tile 4 i + w
+    __shared__ float warp_o[MMA_WARPS][MMA_MAX_GROUP][HD];   // each warp's unnormalised output
+    __shared__ float warp_ml[MMA_WARPS][MMA_MAX_GROUP][2];   // and its (max, sum) per head
+    TI_PROBE;
+    const int kvh = blockIdx.x, group = n_heads / n_kv;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const u32 row_stride = (u32)(n_kv * HD);               // halves; one layer's cache < 4 G values
+    const __half* k_src = k_cache + kvh * HD + 8 * t;
+    const __half* v_src = v_cache + kvh * HD + 8 * t;
+    const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+
+    // Rows of this warp in a pass from `first`: block b, tile n (8 rows), lane row g.
+    auto row_of = [&](int first, int b, int n) { return first + warp * WARP_ROWS + 16 * b + 8 * n + g; };
+    uint4 kr[BLOCKS][2][PIECES], vr[BLOCKS][2][PIECES];
+
+    pdl_launch_dependents();
+    const int pos = state[STATE_POS], len = pos + 1;
+    // The first pass: cached rows below pos (the others are zeros: 0 * NaN would poison the
+    // products; row pos is this step's, placed below). As in attention_rows, the loads sit in
+    // branches of a loop with a bound the compiler cannot resolve (never reached: rows past the
+    // cache are not below pos) and the wait depends on the last row loaded: else ptxas predicates
+    // the loads and schedules griddepcontrol.wait above them (seen in the SASS;
+    // tests/test_cuda_compile.py checks it).
+    const int opaque_tiles = (max_ctx + 7) >> 3;
+    int last_loaded = -1;
+#pragma unroll
+    for (int b = 0; b < BLOCKS; ++b)
+#pragma unroll
+        for (int n = 0; n < 2; ++n)
+#pragma unroll
+            for (int i = 0; i < PIECES; ++i) kr[b][n][i] = vr[b][n][i] = zero;
+#pragma unroll
+    for (int bn = 0; bn < 2 * BLOCKS; ++bn) {
+        if (bn >= opaque_tiles) break;
+        const int b = bn >> 1, n = bn & 1, r = row_of(0, b, n);
+        if (r < pos) {
+#pragma unroll
+            for (int i = 0; i < PIECES; ++i) {
+                kr[b][n][i] = load_cached_piece(k_src + (u32)r * row_stride + 32 * i);
+                vr[b][n][i] = load_cached_piece(v_src + (u32)r * row_stride + 32 * i);
+            }
+            last_loaded = r;
+        }
+    }
+    asm volatile("" : "+r"(last_loaded));                    // opaque: the branch below stays
+    if (last_loaded != (int)0x80000000) pdl_wait();
+    TI_MARK(1);
+
+    // This step's q (head g; zero rows for heads past the group), k and v, and the RoPE tables:
+    // every load first, one round trip.
+    float q[PIECES][8], k[PIECES][8], v[PIECES][8], c[PIECES / 2][8], s[PIECES / 2][8];
+    const float* q_head = qkv + (size_t)(kvh * group + min(g, group - 1)) * HD + 8 * t;
+    const float* k_now = qkv + (size_t)(n_heads + kvh) * HD + 8 * t;
+    const float* v_now = qkv + (size_t)(n_heads + n_kv + kvh) * HD + 8 * t;
+#pragma unroll
+    for (int i = 0; i < PIECES; ++i) {
+        load8_activation(q_head + 32 * i, q[i]);
+        load8_activation(k_now + 32 * i, k[i]);
+        load8_activation(v_now + 32 * i, v[i]);
+    }
+#pragma unroll
+    for (int i = 0; i < PIECES / 2; ++i) {
+        load8_activation(rope_cos + (size_t)pos * (HD / 2) + 32 * i + 8 * t, c[i]);
+        load8_activation(rope_sin + (size_t)pos * (HD / 2) + 32 * i + 8 * t, s[i]);
+    }
+    float rotated[PIECES][8];
+    uint4 k_new[PIECES], v_new[PIECES];
+    rope_pieces<PIECES>(k, c, s, rotated);
+#pragma unroll
+    for (int i = 0; i < PIECES; ++i) {
+        k_new[i] = pack8(rotated[i]);
+        v_new[i] = pack8(v[i]);
+    }
+    rope_pieces<PIECES>(q, c, s, rotated);
+    const float q_scale = g < group ? 1.4426950408889634f * rsqrtf((float)HD) : 0.f;   // log2(e) / sqrt(hd)
+    u32 qa[PIECES][2][4];                    // A fragments of k step (i, h)
+#pragma unroll
+    for (int i = 0; i < PIECES; ++i)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            split_pair(rotated[i][4 * h] * q_scale, rotated[i][4 * h + 1] * q_scale, qa[i][h][0], qa[i][h][1]);
+            split_pair(rotated[i][4 * h + 2] * q_scale, rotated[i][4 * h + 3] * q_scale, qa[i][h][2], qa[i][h][3]);
+        }
+    if (warp == 0 && g == 0) {               // the cache row, after every load (one round trip)
+#pragma unroll
+        for (int i = 0; i < PIECES; ++i) {
+            *reinterpret_cast<uint4*>(k_cache + (size_t)pos * row_stride + kvh * HD + 32 * i + 8 * t) = k_new[i];
+            *reinterpret_cast<uint4*>(v_cache + (size_t)pos * row_stride + kvh * HD + 32 * i + 8 * t) = v_new[i];
+        }
+    }
+    auto place_new_row = [&](int first) {
+#pragma unroll
+        for (int b = 0; b < BLOCKS; ++b)
+#pragma unroll
+            for (int n = 0; n < 2; ++n)
+                if (row_of(first, b, n) == pos)
+#pragma unroll
+                    for (int i = 0; i < PIECES; ++i) {
+                        kr[b][n][i] = k_new[i];
+                        vr[b][n][i] = v_new[i];
+                    }
+    };
+    place_new_row(0);
+    TI_MARK(2);                                                   // q has landed (thread 0)
+    TI_MARK(3);
+
+    float m = -TI_INF, l = 0.f;              // head g: running max (log2 domain), this lane's share of the sum
+    float o[TILES][4];                       // C fragments of p . V: rows g (P hi) and g + 8 (P lo)
+#pragma unroll
+    for (int j = 0; j < TILES; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
+    for (int first = 0; first < len; first += PASS_ROWS) {
+        if (first + warp * WARP_ROWS >= len) break;               // (uniform across the warp)
+        if (first != 0) {                    // later passes: rows below len except pos (this step's)
+#pragma unroll
+            for (int b = 0; b < BLOCKS; ++b)
+#pragma unroll
+                for (int n = 0; n < 2; ++n) {
+                    const int r = row_of(first, b, n);
+                    const bool cached = r < len && r != pos;
+#pragma unroll
+                    for (int i = 0; i < PIECES; ++i) {
+                        kr[b][n][i] = cached ? load_cached_piece(k_src + (u32)r * row_stride + 32 * i) : zero;
+                        vr[b][n][i] = cached ? load_cached_piece(v_src + (u32)r * row_stride + 32 * i) : zero;
+                    }
+                }
+            place_new_row(first);
+        }
+        // Scores: sc[b][n] = C of tile n (rows 2t, 2t+1 of the tile for head g: hi + lo parts).
+        float p[BLOCKS][2][2];
+        float top = -TI_INF;
+#pragma unroll
+        for (int b = 0; b < BLOCKS; ++b)
+#pragma unroll
+            for (int n = 0; n < 2; ++n) {
+                float sc[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+                for (int i = 0; i < PIECES; ++i)
+#pragma unroll
+                    for (int h = 0; h < 2; ++h)
+                        mma_16816(sc, qa[i][h][0], qa[i][h][1], qa[i][h][2], qa[i][h][3],
+                                  word_of(kr[b][n][i], 2 * h), word_of(kr[b][n][i], 2 * h + 1));
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const int r = first + warp * WARP_ROWS + 16 * b + 8 * n + 2 * t + e;
+                    p[b][n][e] = r < len ? sc[e] + sc[2 + e] : -TI_INF;
+                    top = fmaxf(top, p[b][n][e]);
+                }
+            }
+        top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, 1));   // the four lanes of head g
+        top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, 2));
+        const float m_new = fmaxf(m, top);                        // finite: the warp has a row here
+        const float corr = m == -TI_INF ? 0.f : exp2f(m - m_new);
+        l *= corr;
+#pragma unroll
+        for (int j = 0; j < TILES; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) o[j][e] *= corr;
+        m = m_new;
+#pragma unroll
+        for (int b = 0; b < BLOCKS; ++b) {
+            u32 pa[4];                       // A of p . V over the block's 16 rows
+#pragma unroll
+            for (int n = 0; n < 2; ++n) {
+                const float p0 = exp2f(p[b][n][0] - m_new), p1 = exp2f(p[b][n][1] - m_new);
+                l += p0 + p1;
+                split_pair(p0, p1, pa[2 * n], pa[2 * n + 1]);
+            }
+#pragma unroll
+            for (int i = 0; i < PIECES; ++i)
+#pragma unroll
+                for (int w = 0; w < 4; ++w)
+                    mma_16816(o[4 * i + w], pa[0], pa[1], pa[2], pa[3], transpose8x8(word_of(vr[b][0][i], w)),
+                              transpose8x8(word_of(vr[b][1][i], w)));
+        }
+    }
+    TI_MARK(4);                                                   // the rows done (thread 0's warp)
+
+    // The warps' states through shared memory, then each output merged over the warps.
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    if (g < group) {
+#pragma unroll
+        for (int i = 0; i < PIECES; ++i)
+#pragma unroll
+            for (int w = 0; w < 4; ++w)
+                *reinterpret_cast<float2*>(&warp_o[warp][g][32 * i + 8 * t + 2 * w]) =
+                    make_float2(o[4 * i + w][0] + o[4 * i + w][2], o[4 * i + w][1] + o[4 * i + w][3]);
+        if (t == 0) {
+            warp_ml[warp][g][0] = m;
+            warp_ml[warp][g][1] = l;
+        }
+    }
+    __syncthreads();
+    for (int idx = threadIdx.x; idx < group * HD; idx += blockDim.x) {
+        const int h = idx / HD, d = idx % HD;
+        float top = -TI_INF;
+#pragma unroll
+        for (int w = 0; w < MMA_WARPS; ++w) top = fmaxf(top, warp_ml[w][h][0]);
+        float num = 0.f, den = 0.f;
+#pragma unroll
+        for (int w = 0; w < MMA_WARPS; ++w) {
+            const float mw = warp_ml[w][h][0];
+            const float f = mw == -TI_INF ? 0.f : exp2f(mw - top);
+            num += warp_o[w][h][d] * f;
+            den += warp_ml[w][h][1] * f;
+        }
+        out[(size_t)(kvh * group + h) * HD + d] = num / den;
+    }
+}
+
+#define TI_ATTENTION_MMA(HD)                                                                                  \
+    extern "C" __global__ void __launch_bounds__(32 * MMA_WARPS, 1) attention_mma##HD(                        \
+        const float* __restrict__ qkv, __half* __restrict__ k_cache, __half* __restrict__ v_cache,            \
+        const int* __restrict__ state, const float* __restrict__ rope_cos, const float* __restrict__ rope_sin, \
+        int n_heads, int n_kv, int max_ctx, float* __restrict__ out) {                                        \
+        attention_mma_body<HD>(qkv, k_cache, v_cache, state, rope_cos, rope_sin, n_heads, n_kv, max_ctx, out);\
+    }
+TI_ATTENTION_MMA(64)
+TI_ATTENTION_MMA(128)

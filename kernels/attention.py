@@ -1,9 +1,10 @@
 """Launching the decode attention kernels of attention.cu, and their NumPy reference.
 
-Two kernels, chosen by shape (`plan`): `attention_rows` (a block per query head, the cached rows in
-registers) for groups of at least ROWS_MIN_GROUP query heads per KV head, else `attention` (a
-block per KV head and context slice, chunks staged in shared memory, every row read once per
-group, the slices merged).
+Three kernels, chosen by shape (`plan`): `attention_mma64/128` (a block per KV head, the cached
+rows in registers, products on the tensor cores) for groups of ROWS_MIN_GROUP to MMA_MAX_GROUP query
+heads per KV head of head_dim 64 or 128; `attention_rows` (a block per query head, the cached rows in
+registers) for other groups of at least ROWS_MIN_GROUP; else `attention` (a block per KV head and
+context slice, chunks staged in shared memory, every row read once per group, the slices merged).
 """
 
 from __future__ import annotations
@@ -26,6 +27,9 @@ CLUSTER_MIN_COMPUTE_CAPABILITY = 90   # thread-block clusters (ATT_USE_CLUSTER)
 ROW_REGS = 8          # ATT_ROW_REGS: K/V rows a lane group of attention_rows holds in registers
 PASS_ROWS = 256       # attention_rows: rows a block holds per pass (about)
 ROWS_MIN_GROUP = 8    # attention_rows serves groups of at least this many query heads per KV head
+MMA_MAX_GROUP = 8     # MMA_MAX_GROUP: attention_mma's A rows 8-15 carry the low halves of q
+MMA_HEAD_DIMS = (64, 128)
+MMA_THREADS = 256     # 32 * MMA_WARPS
 
 
 def uses_cluster(compute_capability: int) -> bool:
@@ -64,7 +68,7 @@ def rows_per_lane_group(head_dim: int, threads: int) -> int:
 
 @dataclass(frozen=True)
 class AttentionPlan:
-    kernel: str       # "attention_rows" or "attention"
+    kernel: str       # the function: "attention_mma64" / "attention_mma128", "attention_rows" or "attention"
     cluster: bool     # the module is compiled with thread-block clusters (ATT_USE_CLUSTER)
     slices: int       # blocks per KV head
     threads: int      # per block
@@ -72,22 +76,32 @@ class AttentionPlan:
 
 def plan(n_heads: int, n_kv_heads: int, head_dim: int, max_context: int, n_sms: int, compute_capability: int,
          kernel: str | None = None) -> AttentionPlan:
-    """The kernel for a shape. attention_rows (a block per query head) for groups of at least
-    ROWS_MIN_GROUP query heads per KV head: on an H200, TinyLlama's decode (8 per KV head) is ~5%
-    faster with it than with the chunked kernel. With one head per KV head (Llama-2-7B) a block per
-    head leaves most SMs idle; a variant of attention_rows that also split the context and merged
-    in clusters was 1.7% slower there than the chunked kernel (BENCHMARKS.md, eighth session).
-    kernel ("rows" / "chunked") forces one; so does TINYINFER_ATTENTION (for measurements)."""
+    """The kernel for a shape. attention_mma (a block per KV head, the products on the tensor cores)
+    where it fits (mma_fits): on an H200 it made TinyLlama q4's decode step 4.1% faster than
+    attention_rows and Llama-2-7B q4's 4.0% faster than the chunked kernel (BENCHMARKS.md,
+    thirteenth session). Else attention_rows (a block per query head) for groups of at least
+    ROWS_MIN_GROUP query heads per KV head, and the chunked kernel for the rest.
+    kernel ("mma" / "rows" / "chunked") forces one; so does TINYINFER_ATTENTION (for measurements)."""
     kernel = kernel or os.environ.get("TINYINFER_ATTENTION") or None
-    if kernel not in (None, "rows", "chunked"):
-        raise ValueError(f"unknown attention kernel {kernel!r} (rows or chunked)")
+    if kernel not in (None, "mma", "rows", "chunked"):
+        raise ValueError(f"unknown attention kernel {kernel!r} (mma, rows or chunked)")
     group = n_heads // n_kv_heads
+    if kernel == "mma" or (kernel is None and mma_fits(n_heads, n_kv_heads, head_dim)):
+        if not mma_fits(n_heads, n_kv_heads, head_dim):
+            raise ValueError(f"attention_mma serves at most {MMA_MAX_GROUP} query heads per KV head of head_dim "
+                             f"{' or '.join(map(str, MMA_HEAD_DIMS))}, not {group} of {head_dim}")
+        return AttentionPlan(f"attention_mma{head_dim}", False, 1, MMA_THREADS)
     if kernel == "rows" or (kernel is None and group >= ROWS_MIN_GROUP):
         slices, cluster, name = group, False, "attention_rows"
     else:
         cluster = uses_cluster(compute_capability)
         slices, name = n_slices(n_kv_heads, max_context, n_sms, cluster), "attention"
     return AttentionPlan(name, cluster, slices, threads_for(n_heads, n_kv_heads, head_dim, slices, n_sms))
+
+
+def mma_fits(n_heads: int, n_kv_heads: int, head_dim: int) -> bool:
+    """attention_mma's shapes: at most MMA_MAX_GROUP query heads per KV head, head_dim 64 or 128."""
+    return n_heads // n_kv_heads <= MMA_MAX_GROUP and head_dim in MMA_HEAD_DIMS
 
 
 def check_shape(n_heads: int, n_kv_heads: int, head_dim: int, threads: int = MAX_THREADS) -> None:
@@ -121,9 +135,17 @@ def make_attention(mod, n_heads: int, n_kv_heads: int, head_dim: int, slices: in
                    kernel: str = "attention") -> Launch:
     """One layer's attention. k_cache/v_cache: this layer's [max_context, n_kv, head_dim] fp16 views;
     part_o/part_ml/counters serve the chunked kernel's global merge (GPUs before Hopper).
-    kernel "attention_rows" (see plan) takes a block per query head and none of the merge buffers."""
+    kernel "attention_rows" (see plan) takes a block per query head and none of the merge buffers;
+    "attention_mma64/128" a block per KV head and none of them."""
     check_shape(n_heads, n_kv_heads, head_dim, threads)
     head_args = (np.int32(n_heads), np.int32(n_kv_heads), np.int32(head_dim))
+    if kernel.startswith("attention_mma"):
+        if kernel != f"attention_mma{head_dim}" or not mma_fits(n_heads, n_kv_heads, head_dim):
+            raise ValueError(f"{kernel} does not serve {n_heads} query heads over {n_kv_heads} KV heads of {head_dim} "
+                             "dims")
+        args = (qkv, k_cache, v_cache, state, rope_cos, rope_sin, *head_args[:2], np.int32(k_cache.shape[0]), out)
+        return Launch("attention", mod.get_function(kernel), (n_kv_heads,), (MMA_THREADS,), args, 0,
+                      bytes_read=kv_bytes, waits=True)
     if kernel == "attention_rows":
         if slices != n_heads // n_kv_heads:
             raise ValueError(f"attention_rows runs a block per query head: {n_heads // n_kv_heads} per KV head, "

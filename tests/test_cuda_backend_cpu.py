@@ -165,20 +165,25 @@ def test_attention_reference_matches_the_numpy_backend_math():
 def test_attention_plan_picks_the_kernel_by_shape(monkeypatch):
     monkeypatch.delenv("TINYINFER_ATTENTION", raising=False)
     plan = attn_k.plan
-    # TinyLlama: 8 query heads per KV head, a block per query head on any GPU.
-    assert plan(32, 4, 64, 2048, 132, 90) == attn_k.AttentionPlan("attention_rows", False, 8, 256)
-    assert plan(32, 4, 64, 2048, 132, 80) == attn_k.AttentionPlan("attention_rows", False, 8, 256)
+    # Groups of up to 8 query heads of 64 or 128 dims (TinyLlama, Llama-2-7B, Llama-3-70B): a block
+    # per KV head on the tensor cores, on any GPU.
+    assert plan(32, 4, 64, 2048, 132, 90) == attn_k.AttentionPlan("attention_mma64", False, 1, 256)
+    assert plan(32, 4, 64, 2048, 132, 80) == attn_k.AttentionPlan("attention_mma64", False, 1, 256)
+    assert plan(32, 32, 128, 4096, 132, 90) == attn_k.AttentionPlan("attention_mma128", False, 1, 256)
+    assert plan(64, 8, 128, 4096, 132, 75).kernel == "attention_mma128"
+    # Larger groups: a block per query head; other head sizes: the chunked kernel (clusters on Hopper).
     assert plan(64, 1, 128, 2048, 132, 90) == attn_k.AttentionPlan("attention_rows", False, 64, 256)
-    # Llama-2-7B (one head per KV head) and small groups: the chunked kernel, merged in clusters on Hopper.
-    assert plan(32, 32, 128, 4096, 132, 90) == attn_k.AttentionPlan("attention", True, 8, 128)
-    assert plan(32, 32, 128, 4096, 132, 86).kernel == "attention"
-    assert plan(12, 3, 64, 2048, 132, 90).kernel == "attention"
+    assert plan(32, 32, 96, 4096, 132, 90) == attn_k.AttentionPlan("attention", True, 8, 128)
+    assert plan(32, 32, 96, 4096, 132, 86).kernel == "attention"
+    assert plan(12, 3, 96, 2048, 132, 90).kernel == "attention"
     assert plan(32, 4, 64, 2048, 132, 90, "chunked") == attn_k.AttentionPlan("attention", True, 8, 256)
     assert plan(32, 32, 128, 4096, 132, 90, "rows") == attn_k.AttentionPlan("attention_rows", False, 1, 256)
     monkeypatch.setenv("TINYINFER_ATTENTION", "chunked")
     assert plan(32, 4, 64, 2048, 132, 90).kernel == "attention"
     with pytest.raises(ValueError):
         plan(32, 4, 64, 2048, 132, 90, "fast")
+    with pytest.raises(ValueError):                                    # 64 heads per KV head
+        plan(64, 1, 128, 2048, 132, 90, "mma")
     # Rows a lane group holds per pass: about PASS_ROWS per block.
     assert attn_k.rows_per_lane_group(64, 256) == 8        # 32 lane groups of 8 lanes
     assert attn_k.rows_per_lane_group(128, 256) == 8       # 16 lane groups of 16 lanes: 128 rows a pass

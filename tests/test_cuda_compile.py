@@ -140,20 +140,27 @@ def test_no_activation_is_read_before_the_pdl_wait(kernel_dir, name):
 
 
 @pytest.mark.skipif(NVCC is None or CUOBJDUMP is None, reason="needs nvcc and cuobjdump")
-def test_attention_rows_loads_cached_rows_before_the_pdl_wait(kernel_dir):
-    """attention_rows exists to have its first pass of K/V rows in flight while the previous kernel
-    runs. ptxas placed griddepcontrol.wait above those loads when their addresses depended on the
-    position (loaded first), silently: the kernel stayed correct, only slower. So the machine code
-    must show every first-pass load (K and V, ATT_ROW_REGS rows each) before the wait."""
-    source = kernel_dir / "check_rows_attention.cu"
+@pytest.mark.parametrize("function", ["attention_rows", "attention_mma64", "attention_mma128"])
+def test_attention_loads_cached_rows_before_the_pdl_wait(kernel_dir, function):
+    """attention_rows and attention_mma exist to have their first pass of K/V rows in flight while
+    the previous kernel runs. ptxas placed griddepcontrol.wait above those loads when their
+    addresses depended on the position (loaded first) or when it could predicate them, silently:
+    the kernel stayed correct, only slower. So the machine code must show every first-pass load
+    (K and V: ATT_ROW_REGS rows each for attention_rows; for attention_mma 2 tiles of 8 rows per
+    16-row block, 128 / head_dim blocks, head_dim / 32 pieces of each row per lane) before the wait."""
+    source = kernel_dir / f"check_{function}.cu"
     source.write_text(wrapper("attention.cu"))
-    cubin = kernel_dir / "attention.rows.cubin"
+    cubin = kernel_dir / f"{function}.cubin"
     subprocess.run([NVCC, "-std=c++17", "-arch=sm_90a", "-cubin", "-I", str(kernel_dir), "-o", str(cubin), str(source)],
                    check=True, capture_output=True, timeout=600)
     sass = subprocess.run([CUOBJDUMP, "-sass", str(cubin)], check=True, capture_output=True, text=True).stdout
-    loads, waits = loads_before_wait(sass)["attention_rows"]
-    rows = int(re.search(r"#define ATT_ROW_REGS (\d+)", source_text("attention.cu")).group(1))
-    assert waits and loads.count("LDG.E.128.CONSTANT") == 2 * rows, loads
+    loads, waits = loads_before_wait(sass)[function]
+    if function == "attention_rows":
+        per_kind = int(re.search(r"#define ATT_ROW_REGS (\d+)", source_text("attention.cu")).group(1))
+    else:
+        head_dim = int(function.removeprefix("attention_mma"))
+        per_kind = 2 * (128 // head_dim) * (head_dim // 32)
+    assert waits and loads.count("LDG.E.128.CONSTANT") == 2 * per_kind, loads
 
 
 def nvrtc_and_headers():

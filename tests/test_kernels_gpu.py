@@ -218,17 +218,23 @@ ATTENTION_SHAPES = {   # (n_heads, n_kv_heads, head_dim)
 @pytest.mark.parametrize("name", list(ATTENTION_SHAPES))
 @pytest.mark.parametrize("cluster", [True, False], ids=["cluster-merge", "global-merge"])
 @pytest.mark.parametrize("threads", [128, 256])
-@pytest.mark.parametrize("kernel", ["attention", "attention_rows"])
+@pytest.mark.parametrize("kernel", ["attention", "attention_rows", "attention_mma"])
 def test_attention_matches_reference(cupy_gpu, cc, name, cluster, threads, kernel):
-    """Both kernels (attention_rows on every shape, though the backend picks it for large groups
-    only); for the chunked one both slice merges (in a thread-block cluster on Hopper and newer, in
-    global memory); both block sizes, whichever the backend would pick for the shape."""
+    """Every kernel on every shape it serves (attention_rows on every shape, though the backend
+    picks it for large groups only); for the chunked one both slice merges (in a thread-block
+    cluster on Hopper and newer, in global memory); both block sizes, whichever the backend would
+    pick for the shape."""
     cp = cupy_gpu
     if cluster and cc < attn_k.CLUSTER_MIN_COMPUTE_CAPABILITY:
         pytest.skip("thread-block clusters need compute capability 9.0")
-    if cluster and kernel == "attention_rows":
-        pytest.skip("attention_rows merges nothing")
+    if cluster and kernel != "attention":
+        pytest.skip(f"{kernel} merges nothing")
     n_heads, n_kv, hd = ATTENTION_SHAPES[name]
+    if kernel == "attention_mma":
+        if threads != attn_k.MMA_THREADS or not attn_k.mma_fits(n_heads, n_kv, hd):
+            pytest.skip(f"attention_mma runs {attn_k.MMA_THREADS} threads on groups of at most "
+                        f"{attn_k.MMA_MAX_GROUP} heads of head_dim 64 or 128")
+        kernel = f"attention_mma{hd}"
     try:
         attn_k.check_shape(n_heads, n_kv, hd, threads)
     except ValueError:
@@ -239,7 +245,7 @@ def test_attention_matches_reference(cupy_gpu, cc, name, cluster, threads, kerne
     cos, sin = ref.rope_tables(hd, max_ctx, 10000.0, scaling)
     mod = attn_k.compile_attention(cc, cluster)
     sms = cp.cuda.runtime.getDeviceProperties(0)["multiProcessorCount"]
-    slices = n_heads // n_kv if kernel == "attention_rows" else attn_k.n_slices(n_kv, max_ctx, sms, cluster)
+    slices = {"attention_rows": n_heads // n_kv, "attention": attn_k.n_slices(n_kv, max_ctx, sms, cluster)}.get(kernel, 1)
     rng = np.random.default_rng(len(name) + 2 * cluster + threads + len(kernel))
     for pos in [0, 1, 31, 32, 33, 200, 1099]:
         cache_k = rng.standard_normal((max_ctx, n_kv, hd)).astype(np.float16)
