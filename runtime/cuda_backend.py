@@ -41,6 +41,10 @@ H2D, D2D = 1, 3
 LOOKAHEAD = 16          # decode steps queued ahead of the token the host is waiting for
 MARGIN_BYTES = 256 << 20
 GREEDY = SamplingParams()
+# The tuner's step timings: STEP_REPLAYS graph replays, fewer for a long step, so that one timing
+# covers about STEP_TIMING_US of GPU time (Llama-2-7B q4: 7 replays of 1.55 ms; tuning is mostly
+# these timings, and a first load of that model must stay within 1.5 s).
+STEP_REPLAYS, STEP_TIMING_US = 12, 11_000
 
 
 def memory_plan(weight_bytes: int, kv_bytes: int, scratch_bytes: int, free_bytes: int) -> dict:
@@ -82,6 +86,7 @@ def check_encodings(tinf) -> None:
 
 class CudaBackend(Backend):
     launch_cache = None      # {key: Launch} while loading, see __init__
+    last_step_us = None      # the tuner's latest step timing (step_us)
 
     def __init__(self, tinf_file, verbose: bool = False, max_context: int | None = None):
         import cupy as cp
@@ -413,16 +418,21 @@ class CudaBackend(Backend):
         rival = replace(chosen, balanced=not chosen.balanced)
         return [rival] if self.gemv_launch(role, 0, rival).grid != self.gemv_launch(role, 0, chosen).grid else []
 
-    def step_us(self, tuning: dict, replays: int = 12) -> float:
+    def step_us(self, tuning: dict, replays: int | None = None) -> float:
         """GPU microseconds per decode step with these GEMV configurations: graph replays back to
-        back from position 0 (greedy; what the cache rows hold does not change the time)."""
+        back from position 0 (greedy; what the cache rows hold does not change the time). replays:
+        by default STEP_REPLAYS, or fewer once a step timed longer than STEP_TIMING_US / STEP_REPLAYS."""
+        if replays is None:
+            last = self.last_step_us
+            replays = STEP_REPLAYS if not last else max(6, min(STEP_REPLAYS, int(STEP_TIMING_US / last)))
         self.use_tuning(tuning)
         with self.stream:
             self.set_sampling(GREEDY)
             self.set_state(0, 0, 0)
             self.graph.launch(self.stream)             # the first replay uploads and warms up
             self.set_state(0, 0, 0)
-            return self.replay_us(max(1, min(replays, self.max_context - 2)))
+            self.last_step_us = self.replay_us(max(1, min(replays, self.max_context - 2)))
+        return self.last_step_us
 
     def replay_us(self, n_steps: int) -> float:
         """GPU microseconds per step of n_steps graph replays back to back from the current state,

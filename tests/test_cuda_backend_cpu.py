@@ -442,6 +442,37 @@ def test_replay_timing_launches_the_graph_n_times_between_two_events():
     assert log == ["event"] + ["replay"] * 6 + ["event", "sync"]
 
 
+def test_step_timings_take_fewer_replays_once_a_step_is_long():
+    """CudaBackend.step_us: STEP_REPLAYS replays at first, then as many as fit STEP_TIMING_US (at
+    least 6): the tuner's load time on a large model is mostly these timings."""
+    import contextlib
+    from types import SimpleNamespace
+
+    from tinyinfer.runtime import cuda_backend
+    from tinyinfer.runtime.cuda_backend import CudaBackend
+
+    asked = []
+
+    class Fake(SimpleNamespace):
+        def replay_us(self, n):
+            asked.append(n)
+            return self.us
+
+    fake = Fake(us=1550.0, last_step_us=None, max_context=4096, stream=contextlib.nullcontext(),
+                graph=SimpleNamespace(launch=lambda s: None), use_tuning=lambda t: None,
+                set_sampling=lambda p: None, set_state=lambda *a: None)
+    assert [CudaBackend.step_us(fake, {}) for _ in range(2)] == [1550.0, 1550.0]
+    assert asked == [cuda_backend.STEP_REPLAYS, int(cuda_backend.STEP_TIMING_US / 1550.0)] == [12, 7]
+    fake.us = 450.0                                              # TinyLlama: a step of ~450 us
+    CudaBackend.step_us(fake, {})
+    CudaBackend.step_us(fake, {})
+    fake.us = 20_000.0
+    CudaBackend.step_us(fake, {})
+    CudaBackend.step_us(fake, {})
+    CudaBackend.step_us(fake, {}, replays=3)
+    assert asked[2:] == [7, 12, 12, 6, 3]
+
+
 def test_compile_all_loads_cached_modules_in_turn_and_compiles_the_rest_on_threads(monkeypatch):
     """build.compile_all with stand-in modules: fast ones (found in CuPy's cache) load on the calling
     thread; from the first slow one (a compilation) on, the rest go to a pool, on the caller's device."""
