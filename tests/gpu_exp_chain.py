@@ -101,7 +101,8 @@ def run(shape: str, quant: str) -> None:
 def attention_variants(cluster: bool):
     merge = "#if ATT_USE_CLUSTER\n    if (active == 1) return;" if cluster else "#else\n    if (active == 1) return;"
     return [
-        ("attention returns after pdl_wait", [("    pdl_wait();\n    if (begin < end) {\n", "    pdl_wait();\n    return;\n    if (begin < end) {\n")]),
+        ("attention returns after pdl_wait", [("    pdl_wait();\n    TI_MARK(1);\n    if (begin < end) {\n",
+                                               "    pdl_wait();\n    return;\n    if (begin < end) {\n")]),
         ("attention without the slice merge", [(merge, merge.replace("if (active == 1) return;", "return;"))]),
         ("attention granule 32", [("#define ATT_GRANULE 16 ", "#define ATT_GRANULE 32 ")]),
         ("attention granule 64", [("#define ATT_GRANULE 16 ", "#define ATT_GRANULE 64 ")]),
