@@ -1,10 +1,10 @@
 """Launching the decode attention kernels of attention.cu, and their NumPy reference.
 
 Three kernels, chosen by shape (`plan`): `attention_mma64/128` (a block per KV head, the cached
-rows in registers, products on the tensor cores) for groups of ROWS_MIN_GROUP to MMA_MAX_GROUP query
-heads per KV head of head_dim 64 or 128; `attention_rows` (a block per query head, the cached rows in
-registers) for other groups of at least ROWS_MIN_GROUP; else `attention` (a block per KV head and
-context slice, chunks staged in shared memory, every row read once per group, the slices merged).
+rows in registers, products on the tensor cores) for groups of at most MMA_MAX_GROUP query heads per
+KV head of head_dim 64 or 128; else `attention_rows` (a block per query head, the cached rows in
+registers) for groups of at least ROWS_MIN_GROUP; else `attention` (a block per KV head and context
+slice, chunks staged in shared memory, every row read once per group, the slices merged).
 """
 
 from __future__ import annotations

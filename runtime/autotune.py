@@ -4,9 +4,9 @@ Each distinct (shape, fusion) is timed over its candidate configurations (row ti
 block, x split-K where it can run) on the model's own weights: one launch per layer, so every
 launch streams weights that are not in L2, after an L2 flush and behind a GPU-side wait so the
 host's launch cost stays out of the measurement. Where timing alone is known to mislead (a split-K
-pick, a tie), the whole decode step settles it (confirm_in_step), and the ring depth, which only
-shows in the step, is chosen there (variants_in_step), as is the grid's balance. The choices are saved in a user
-cache keyed by the file's tensor checksums, the GPU, its compute capability and the kernel
+pick, a tie), the whole decode step settles it (confirm_in_step), and the ring depth and the grid's
+balance, which only show in the step, are chosen there (variants_in_step). The choices are saved in
+a user cache keyed by the file's tensor checksums, the GPU, its compute capability and the kernel
 sources, so a second load of the same file does not re-tune.
 """
 
