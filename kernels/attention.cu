@@ -751,19 +751,6 @@ TI_DEVICE u32 word_of(const uint4& v, int i) {
     return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
 }
 
-// x = hi + lo in two fp16 pairs (hi: the rounded pair, lo: its rounding error).
-TI_DEVICE void split_pair(float a, float b, u32& hi, u32& lo) {
-    const __half2 h = __floats2half2_rn(a, b);
-    const float2 back = __half22float2(h);
-    hi = as_u32(h);
-    lo = pack_half2(a - back.x, b - back.y);
-}
-
-// Eight floats at p (an activation: coherent loads).
-TI_DEVICE void load8_activation(const float* p, float (&v)[8]) {
-    unpack8(load_activation4(p), load_activation4(p + 4), v);
-}
-
 // Dims 32 i + 8 t + e (e < 8) of one head's vector x after rotate-half RoPE with the tables of one
 // position, for every piece i: the partner of piece i is piece i +- PIECES/2 of the same lane.
 template <int PIECES>
@@ -870,8 +857,8 @@ TI_DEVICE void attention_mma_body(const float* __restrict__ qkv, __half* __restr
     for (int i = 0; i < PIECES; ++i)
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-            split_pair(rotated[i][4 * h] * q_scale, rotated[i][4 * h + 1] * q_scale, qa[i][h][0], qa[i][h][1]);
-            split_pair(rotated[i][4 * h + 2] * q_scale, rotated[i][4 * h + 3] * q_scale, qa[i][h][2], qa[i][h][3]);
+            split_half2(rotated[i][4 * h] * q_scale, rotated[i][4 * h + 1] * q_scale, qa[i][h][0], qa[i][h][1]);
+            split_half2(rotated[i][4 * h + 2] * q_scale, rotated[i][4 * h + 3] * q_scale, qa[i][h][2], qa[i][h][3]);
         }
     if (warp == 0 && g == 0) {               // the cache row, after every load (one round trip)
 #pragma unroll
@@ -955,7 +942,7 @@ TI_DEVICE void attention_mma_body(const float* __restrict__ qkv, __half* __restr
             for (int n = 0; n < 2; ++n) {
                 const float p0 = exp2f(p[b][n][0] - m_new), p1 = exp2f(p[b][n][1] - m_new);
                 l += p0 + p1;
-                split_pair(p0, p1, pa[2 * n], pa[2 * n + 1]);
+                split_half2(p0, p1, pa[2 * n], pa[2 * n + 1]);
             }
 #pragma unroll
             for (int i = 0; i < PIECES; ++i)

@@ -142,6 +142,20 @@ TI_DEVICE float4 load_activation4(const float* p) {
     return __ldcg(reinterpret_cast<const float4*>(p));      // ld.global.cg: coherent at L2
 }
 
+// Eight floats of an activation, coherent (load_activation4).
+TI_DEVICE void load8_activation(const float* p, float (&v)[8]) {
+    unpack8(load_activation4(p), load_activation4(p + 4), v);
+}
+
+// (a, b) = hi + lo in two fp16 pairs: hi the rounded pair, lo its rounding error. Products with both
+// (as mma operands, fp32 accumulation) are as exact as with the fp32 values.
+TI_DEVICE void split_half2(float a, float b, u32& hi, u32& lo) {
+    const __half2 h = __floats2half2_rn(a, b);
+    const float2 back = __half22float2(h);
+    hi = as_u32(h);
+    lo = pack_half2(a - back.x, b - back.y);
+}
+
 // 16-byte global -> shared copy that holds no registers until it lands (cp.async, sm_80+; Turing
 // copies through registers).
 TI_DEVICE void copy16_async(void* dst_shared, const void* src) {

@@ -123,11 +123,6 @@ __device__ __forceinline__ void load8(const float* p, float (&v)[8]) {
     unpack8(*reinterpret_cast<const float4*>(p), *reinterpret_cast<const float4*>(p + 4), v);
 }
 
-// Eight floats of x, an activation, with coherent loads (see load_activation4): for the staging
-// path whose norm weight copies are issued before the PDL wait.
-__device__ __forceinline__ void load8_x(const float* p, float (&v)[8]) {
-    unpack8(load_activation4(p), load_activation4(p + 4), v);
-}
 
 // RMSNorm inputs of two groups of 8 per thread stage through stage_normed_early; the rest through
 // stage_input.
@@ -165,12 +160,7 @@ __device__ __forceinline__ void stage_group(__half* xs, __half* xs_lo, float* co
     // x = hi + lo, both fp16: B columns for both make the product as exact as fp32 inputs would.
     u32 hi[4], lo[4];
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        const __half2 h = __floats2half2_rn(out[2 * i], out[2 * i + 1]);
-        const float2 back = __half22float2(h);
-        hi[i] = as_u32(h);
-        lo[i] = pack_half2(out[2 * i] - back.x, out[2 * i + 1] - back.y);
-    }
+    for (int i = 0; i < 4; ++i) split_half2(out[2 * i], out[2 * i + 1], hi[i], lo[i]);
     *reinterpret_cast<uint4*>(xs + staged_index(b * 8)) = make_uint4(hi[0], hi[1], hi[2], hi[3]);
     *reinterpret_cast<uint4*>(xs_lo + staged_index(b * 8)) = make_uint4(lo[0], lo[1], lo[2], lo[3]);
 }
@@ -197,7 +187,7 @@ __device__ __forceinline__ void stage_normed_early(__half* xs, __half* xs_lo, fl
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
         const int b = i * threads + (int)threadIdx.x;
-        if (b < full) load8_x(x + 8 * b, v[i]);
+        if (b < full) load8_activation(x + 8 * b, v[i]);   // coherent: see load_activation4
     }
     TI_TOUCH(__float_as_uint(v[0][0]));
     TI_MARK(2);                                                 // x has landed (thread 0)

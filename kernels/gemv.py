@@ -3,8 +3,8 @@
 A GemvShape says what is multiplied (encoding, group, rows, columns) and which fusions run at the
 input (plain, rmsnorm) and output (store, add, swiglu: silu(gate) * up of the fused [gate; up]
 matrix); a GemvConfig is the tunable part (row tiles of 16 per block, warps per block, whether a
-cluster of two blocks splits K, and the ring depth: items each warp keeps in flight). make_gemv turns
-both plus device pointers into a Launch.
+cluster of two blocks splits K, the ring depth: items each warp keeps in flight, and whether the
+grid is balanced: grid_units). make_gemv turns both plus device pointers into a Launch.
 """
 
 from __future__ import annotations
@@ -66,8 +66,8 @@ class GemvConfig:
             object.__setattr__(self, "depth", DEFAULT_DEPTH.get(self.row_tiles, 0))
 
     def as_dict(self) -> dict:
-        """As stored in autotune caches and files: split and depth only where they differ from the
-        defaults, so entries written before either existed keep their meaning."""
+        """As stored in autotune caches and files: split, depth and balanced only where they differ
+        from the defaults, so entries written before any of them existed keep their meaning."""
         return {"row_tiles": self.row_tiles, "warps": self.warps, **({"split": self.split} if self.split > 1 else {}),
                 **({"depth": self.depth} if self.depth != DEFAULT_DEPTH.get(self.row_tiles) else {}),
                 **({"balanced": True} if self.balanced else {})}

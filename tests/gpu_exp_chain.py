@@ -155,7 +155,7 @@ GEMV_VARIANTS = [   # (label, [(old, new, count), ...]) edits of gemv.cu (result
     ("gemv returns after staging x", [("    __syncthreads();\n\n    int it = 0;",
                                        "    __syncthreads();\n    return;\n\n    int it = 0;", 1)]),
     ("gemv stages zeros (no x reads)", [("load8(x + 8 * b, v[i]);", "for (int e = 0; e < 8; ++e) v[i][e] = 0.f;", 1),
-                                        ("load8_x(x + 8 * b, v[i]);", "for (int e = 0; e < 8; ++e) v[i][e] = 0.f;", 1),
+                                        ("load8_activation(x + 8 * b, v[i]);", "for (int e = 0; e < 8; ++e) v[i][e] = 0.f;", 1),
                                         ("load8(x + 8 * b, a);", "for (int e = 0; e < 8; ++e) a[e] = 0.f;", 1),
                                         ("if (second) load8(x + 8 * (b + threads), c);",
                                          "for (int e = 0; e < 8; ++e) c[e] = 0.f;", 1)]),
