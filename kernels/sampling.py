@@ -30,7 +30,8 @@ def make_sampler(mod, vocab: int, logits, params, uniforms, seen, scratch, state
     """Pick the next token, feed it back through `state`, and write its embedding into x.
 
     out_tokens[step] receives the token: a device array, or pinned host memory (a NumPy array from
-    cupyx.zeros_pinned), which the kernel writes directly since pinned pointers are valid on the device."""
+    weights_upload.pinned_empty), which the kernel writes directly since pinned pointers are valid on
+    the device."""
     from tinyinfer.kernels.misc import EMBEDDING_ID
 
     kernel = mod.get_function("sample_token")

@@ -35,7 +35,7 @@ from tinyinfer.runtime import reference as ref
 from tinyinfer.runtime.backend import Backend
 from tinyinfer.runtime.errors import ContextOverflowError, DeviceError
 from tinyinfer.runtime.sampling import SamplingParams
-from tinyinfer.runtime.weights_upload import data_extent, upload_weights
+from tinyinfer.runtime.weights_upload import data_extent, pinned_empty, upload_weights
 
 H2D, D2D = 1, 3
 LOOKAHEAD = 16          # decode steps queued ahead of the token the host is waiting for
@@ -190,12 +190,11 @@ class CudaBackend(Backend):
         self.part_ml = cp.zeros(self.n_heads * self.attn_plan.slices * 2, dtype=cp.float32)
         self.counters = cp.zeros(self.n_kv, dtype=cp.uint32)
         self.state = cp.zeros(4, dtype=cp.int32)
-        import cupyx
-
         # Pinned host memory, which the sampler writes over the bus (mapped: CUDA's unified addressing
         # makes the pointer valid in kernels): the host reads each token once its step's event has
         # passed, with no copy in the stream between two steps.
-        self.out_tokens = cupyx.zeros_pinned(ctx + 1, dtype=np.int32)
+        self.out_tokens = pinned_empty(ctx + 1, np.int32)
+        self.out_tokens[:] = 0
         self.params = cp.asarray(sample_k.params_array(GREEDY))
         self.uniforms = cp.zeros(ctx + 1, dtype=cp.float64)
         self.seen = cp.zeros(self.vocab, dtype=cp.uint8)

@@ -279,7 +279,7 @@ def test_attention_matches_reference(cupy_gpu, cc, name, cluster, threads, kerne
 
 def run_sampler(cp, cc, logits, params, history, uniforms, step=0, host_tokens=False):
     """host_tokens: the tokens go to pinned host memory, as in the decode engine."""
-    import cupyx
+    from tinyinfer.runtime.weights_upload import pinned_empty
 
     vocab = logits.size
     mod = sample_k.compile_sampler(cc)
@@ -287,7 +287,7 @@ def run_sampler(cp, cc, logits, params, history, uniforms, step=0, host_tokens=F
     seen[list(history)] = 1
     state = cp.asarray(np.array([7, -1, step, 0], np.int32))
     if host_tokens:
-        out_tokens = cupyx.empty_pinned(len(uniforms) + 1, dtype=np.int32)
+        out_tokens = pinned_empty(len(uniforms) + 1, np.int32)
         out_tokens[:] = -1
     else:
         out_tokens = cp.full(len(uniforms) + 1, -1, dtype=cp.int32)
