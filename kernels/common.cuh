@@ -133,6 +133,22 @@ TI_DEVICE uint4 load_stream(const void* p) {
     return v;
 }
 
+// load_stream where `pred` holds; else v keeps its value. A predicate instead of a branch leaves
+// the code around it one basic block, which the scheduler may interleave freely (the GEMV refills
+// its ring this way between two chains of products).
+TI_DEVICE void load_stream_if(uint4& v, const void* p, bool pred) {
+    asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %5, 0;\n"
+                 " @p ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];\n}\n"
+                 : "+r"(v.x), "+r"(v.y), "+r"(v.z), "+r"(v.w)
+                 : "l"(p), "r"((int)pred));
+}
+
+// A 16-bit weight (a group scale), predicated like load_stream_if.
+TI_DEVICE void load_u16_if(unsigned short& v, const void* p, bool pred) {
+    asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %2, 0;\n @p ld.global.nc.u16 %0, [%1];\n}\n"
+                 : "+h"(v) : "l"(p), "r"((int)pred));
+}
+
 // A coherent load of an activation (what the previous kernel writes), for reads after pdl_wait()
 // that sit close to weight loads issued before it: ptxas treats ld.global.nc data as read-only for
 // the whole kernel and may move such a load above griddepcontrol.wait, i.e. before the previous

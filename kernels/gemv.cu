@@ -333,6 +333,11 @@ __device__ __forceinline__ int tile_outputs() {
 // place ahead of the input's reads; a shallow ring also holds fewer registers (q4 R = 1: 86 at
 // depth 1, 128 at depth 4) and keeps fewer loads in flight per SM while other kernels' blocks run.
 //
+// Refill (REFILL = 1, chosen in the decode step like the depth): the ring slot just multiplied is
+// reloaded inside the item, piece by piece, with predicated loads rather than after it. On an H200
+// this won on Llama-2-7B's gate/up projections (q4 -0.5%, f16 -0.7% of the step alone) and lost on
+// every TinyLlama q4 role (+0.2 to +2%); the tuner keeps it per role (BENCHMARKS.md, s14).
+//
 // B operand. Lane (g, t) holds A's k positions of "section" t: the 32 (q4) / 16 (q8) / 8 (f16)
 // columns of its own 16-byte load, which lie in one quantization group. B column n carries x for
 // section n/2 only, x_hi in even and x_lo in odd columns, so the lanes with g/2 == t feed B and
@@ -346,7 +351,7 @@ __device__ __forceinline__ int tile_outputs() {
 // shared memory), and after a cluster barrier block 0 adds them to its own, always in that order,
 // so the result does not depend on timing.
 
-template <int WT, int G, int RT, int IN, int OUT, int SPLIT, int DEPTH>
+template <int WT, int G, int RT, int IN, int OUT, int SPLIT, int DEPTH, int REFILL>
 __global__ void __launch_bounds__(256, 2) gemv(
     const unsigned char* __restrict__ w,     // tensor start: values, row-major, kpad columns
     const __half* __restrict__ scales,       // q8/q4: [rows][kpad/G]; f16: unused
@@ -399,18 +404,18 @@ __global__ void __launch_bounds__(256, 2) gemv(
     float* corr = reinterpret_cast<float*>(x_zeros + 4);       // [nchunks * CW / KPL] bias corrections
 
     uint4 wv[DEPTH][RT][2][NL];     // weights of rows g, g+8 of each 16-row tile
-    __half sc[DEPTH][RT][2][NL];    // their group scales, raw: converting here would wait for the load
+    unsigned short sc[DEPTH][RT][2][NL];   // their group scales (fp16 bits), raw: converting here would wait for the load
 
-    auto load_item = [&](int b, int tile, int chunk) {
-        const int kb = chunk * CW;
-        // 32-bit offsets from the tensor's start (tensors are far below 4 GB): one IMAD per row and
-        // one add per load instead of 64-bit address arithmetic for each.
+    // Where an item's loads read: value_at / scale_at [rt][h][j] for piece j (the lane's j-th 16-byte
+    // load) of each row. 32-bit offsets from the tensor's start (tensors are far below 4 GB): one
+    // IMAD per row and one add per load instead of 64-bit address arithmetic for each. A section
+    // past the row end (the last chunk may be partial) reloads the row's last section, counted with
+    // scale 0: no branch, no zero fill; rows are clamped, so loads stay in bounds.
+    auto item_offsets = [&](int tile, int chunk, u32 (&value_at)[RT][2][NL], u32 (&scale_at)[RT][2][NL]) {
         u32 col[NL], group[NL];
 #pragma unroll
         for (int j = 0; j < NL; ++j) {
-            // A section past the row end (the last chunk may be partial) reloads the row's
-            // last section, counted with scale 0: no branch, no zero fill.
-            const int kc = min(kb + j * 4 * KPL + t * KPL, kpad - KPL);
+            const int kc = min(chunk * CW + j * 4 * KPL + t * KPL, kpad - KPL);
             col[j] = (u32)kc * BYTES_PER_K2 / 2;
             group[j] = WT == W_F16 ? 0u : (u32)kc / G;
         }
@@ -418,17 +423,53 @@ __global__ void __launch_bounds__(256, 2) gemv(
         for (int rt = 0; rt < RT; ++rt)
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
-                const u32 r = min(tile_row<RT, OUT>(tile, rt, h, g, rows), rows - 1);   // clamped: loads stay in bounds
+                const u32 r = min(tile_row<RT, OUT>(tile, rt, h, g, rows), rows - 1);
                 const u32 row = r * row_bytes32, srow = r * (u32)ngroups;
 #pragma unroll
                 for (int j = 0; j < NL; ++j) {
-                    wv[b][rt][h][j] = load_stream(w + (row + col[j]));
-                    if (WT != W_F16) sc[b][rt][h][j] = scales[srow + group[j]];   // converted when used
+                    value_at[rt][h][j] = row + col[j];
+                    scale_at[rt][h][j] = srow + group[j];
                 }
             }
     };
+    auto load_item = [&](int b, int tile, int chunk) {
+        u32 value_at[RT][2][NL], scale_at[RT][2][NL];
+        item_offsets(tile, chunk, value_at, scale_at);
+#pragma unroll
+        for (int rt = 0; rt < RT; ++rt)
+#pragma unroll
+            for (int h = 0; h < 2; ++h)
+#pragma unroll
+                for (int j = 0; j < NL; ++j) {
+                    wv[b][rt][h][j] = load_stream(w + value_at[rt][h][j]);
+                    // (REFILL: the scale through the same ld.global.nc as refill_piece's; a plain
+                    // load of it then compiled to a coherent one.)
+                    if (WT == W_F16) continue;
+                    if (REFILL) load_u16_if(sc[b][rt][h][j], scales + scale_at[rt][h][j], true);
+                    else sc[b][rt][h][j] = __half_as_ushort(scales[scale_at[rt][h][j]]);   // converted when used
+                }
+    };
+    // REFILL: piece j of an item where `pred` holds, as predicates rather than a branch (see
+    // compute_item).
+    auto refill_piece = [&](int b, int j, int tile, int chunk, bool pred) {
+        u32 value_at[RT][2][NL], scale_at[RT][2][NL];
+        item_offsets(tile, chunk, value_at, scale_at);
+#pragma unroll
+        for (int rt = 0; rt < RT; ++rt)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                load_stream_if(wv[b][rt][h][j], w + value_at[rt][h][j], pred);
+                if (WT != W_F16) load_u16_if(sc[b][rt][h][j], scales + scale_at[rt][h][j], pred);
+            }
+    };
 
-    auto compute_item = [&](int b, int chunk, float (&acc)[RT][2]) {
+    // Multiplies the item in ring slot b. With REFILL and `refill`, each piece's registers take the
+    // next item's piece (tile `next_tile`, chunk `next_chunk`) once they are used, as predicated loads
+    // in the same basic block as the products: the scheduler then converts the weights first and
+    // issues the next item's loads right after the first mma, so they are in flight during the
+    // products (more registers: q4 R = 1 at depth 1 goes from 86 to 127). Without REFILL the slot is
+    // loaded after the item, as a separate step (load_next).
+    auto compute_item = [&](int b, int chunk, float (&acc)[RT][2], bool refill, int next_tile, int next_chunk) {
         const int kb = chunk * CW;
 #pragma unroll
         for (int j = 0; j < NL; ++j) {
@@ -458,11 +499,12 @@ __global__ void __launch_bounds__(256, 2) gemv(
             const float c = WT == W_F16 ? 0.f : corr[section];
 #pragma unroll
             for (int rt = 0; rt < RT; ++rt) {
-                const float s0 = WT == W_F16 ? 1.f : __half2float(sc[b][rt][0][j]);
-                const float s1 = WT == W_F16 ? 1.f : __half2float(sc[b][rt][1][j]);
+                const float s0 = WT == W_F16 ? 1.f : __half2float(__ushort_as_half(sc[b][rt][0][j]));
+                const float s1 = WT == W_F16 ? 1.f : __half2float(__ushort_as_half(sc[b][rt][1][j]));
                 acc[rt][0] = fmaf(d[rt][0] + d[rt][1] - c, inside ? s0 : 0.f, acc[rt][0]);
                 acc[rt][1] = fmaf(d[rt][2] + d[rt][3] - c, inside ? s1 : 0.f, acc[rt][1]);
             }
+            if (REFILL) refill_piece(b, j, next_tile, next_chunk, refill);
         }
     };
 
@@ -481,12 +523,17 @@ __global__ void __launch_bounds__(256, 2) gemv(
                                 (int)threadIdx.x < tile_outputs<RT, OUT>() && first_out < outputs;
     float residual = 0.f;
     int next_ti = 0, next_k = 0;       // the next item to load: tile index ti, chunk index k
-    auto load_next = [&](int b) {
-        load_item(b, cluster_of_block<SPLIT>() + next_ti * clusters_in_grid<SPLIT>(), chunk0 + warp + next_k * nwarps);
+    auto next_tile = [&]() { return cluster_of_block<SPLIT>() + next_ti * clusters_in_grid<SPLIT>(); };
+    auto next_chunk = [&]() { return chunk0 + warp + next_k * nwarps; };
+    auto advance = [&]() {
         if (++next_k == my_chunks) {
             next_k = 0;
             ++next_ti;
         }
+    };
+    auto load_next = [&](int b) {
+        load_item(b, next_tile(), next_chunk());
+        advance();
     };
     if (norm_two_groups<IN>(K) && my_tiles * ((nchunks + nwarps - 1) / nwarps) > DEPTH) {
 #pragma unroll
@@ -512,21 +559,30 @@ __global__ void __launch_bounds__(256, 2) gemv(
     TI_TOUCH(wv[0][0][0][0].x);
     TI_MARK(4);                        // the first ring slot's weights have landed (thread 0)
 
-    int it = 0;
+    int it = 0, slot = 0;      // items multiplied; the ring slot of the next one
     for (int ti = 0; ti < my_tiles; ++ti) {
         float acc[RT][2];
 #pragma unroll
         for (int rt = 0; rt < RT; ++rt) acc[rt][0] = acc[rt][1] = 0.f;
         for (int k = 0; k < my_chunks; ++k, ++it) {
-            // Register arrays need constant indices: one unrolled copy per ring slot.
+            // Register arrays need constant indices: one unrolled copy per ring slot. (Selected by
+            // it % DEPTH, nvcc put the f16 depth-2 and the refilled depth-2 rings in local memory, and
+            // selected by the slot counter, depths 3 and 4 measured 0.6% slower in Llama-2-7B q4's
+            // step, H200: each where it works.)
+            const int current = REFILL || DEPTH == 2 ? slot : it % DEPTH;
 #pragma unroll
             for (int b = 0; b < DEPTH; ++b) {
-                if (it % DEPTH == b) {
-                    compute_item(b, chunk0 + warp + k * nwarps, acc);
+                if (current == b) {
+                    const bool refill = it + DEPTH < n_items;
+                    compute_item(b, chunk0 + warp + k * nwarps, acc, refill, next_tile(), next_chunk());
                     if (it == 0) TI_MARK(5);   // the first item multiplied
-                    if (it + DEPTH < n_items) load_next(b);
+                    if (refill) {
+                        if (REFILL) advance();
+                        else load_next(b);
+                    }
                 }
             }
+            slot = slot + 1 == DEPTH ? 0 : slot + 1;
         }
         // Sum the four lanes of each row, then the warps (red is double-buffered by tile parity, so
         // one barrier per tile suffices).

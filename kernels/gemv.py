@@ -3,8 +3,9 @@
 A GemvShape says what is multiplied (encoding, group, rows, columns) and which fusions run at the
 input (plain, rmsnorm) and output (store, add, swiglu: silu(gate) * up of the fused [gate; up]
 matrix); a GemvConfig is the tunable part (row tiles of 16 per block, warps per block, whether a
-cluster of two blocks splits K, the ring depth: items each warp keeps in flight, and whether the
-grid is balanced: grid_units). make_gemv turns both plus device pointers into a Launch.
+cluster of two blocks splits K, the ring depth: items each warp keeps in flight, whether the grid is
+balanced: grid_units, and whether the ring is refilled during the products: gemv.cu's REFILL).
+make_gemv turns both plus device pointers into a Launch.
 """
 
 from __future__ import annotations
@@ -60,22 +61,23 @@ class GemvConfig:
     split: int = 1       # blocks (a cluster) splitting each tile's K between them
     depth: int = 0       # items in flight per warp; 0: DEFAULT_DEPTH of row_tiles
     balanced: bool = False   # grid: the fewest blocks for as many rounds of tiles (grid_units)
+    refill: bool = False     # the next item's loads issued during this one's products (gemv.cu REFILL)
 
     def __post_init__(self):
         if self.depth == 0:
             object.__setattr__(self, "depth", DEFAULT_DEPTH.get(self.row_tiles, 0))
 
     def as_dict(self) -> dict:
-        """As stored in autotune caches and files: split, depth and balanced only where they differ
-        from the defaults, so entries written before any of them existed keep their meaning."""
+        """As stored in autotune caches and files: split, depth, balanced and refill only where they
+        differ from the defaults, so entries written before any of them existed keep their meaning."""
         return {"row_tiles": self.row_tiles, "warps": self.warps, **({"split": self.split} if self.split > 1 else {}),
                 **({"depth": self.depth} if self.depth != DEFAULT_DEPTH.get(self.row_tiles) else {}),
-                **({"balanced": True} if self.balanced else {})}
+                **({"balanced": True} if self.balanced else {}), **({"refill": True} if self.refill else {})}
 
     @property
     def label(self) -> str:
         return (f"R{self.row_tiles}/w{self.warps}" + (f"/split{self.split}" if self.split > 1 else "") + f"/d{self.depth}"
-                + ("/bal" if self.balanced else ""))
+                + ("/bal" if self.balanced else "") + ("/refill" if self.refill else ""))
 
 
 def splittable(shape: GemvShape) -> bool:
@@ -96,17 +98,22 @@ def configs_for(shape: GemvShape, compute_capability: int) -> list:
 
 
 def depth_variants(shape: GemvShape, config: GemvConfig) -> list:
-    """config at each ring depth the tuner tries in the decode step. f16 with R = 1 skips depth 2:
-    nvcc puts that ring in local memory (the other depths stay in registers)."""
-    return [replace(config, depth=d) for d in STEP_DEPTHS[config.row_tiles]
-            if not (shape.encoding == "f16" and config.row_tiles == 1 and d == 2)]
+    """config at each ring depth the tuner tries in the decode step."""
+    return [replace(config, depth=d) for d in STEP_DEPTHS[config.row_tiles]]
+
+
+def can_refill(shape: GemvShape, config: GemvConfig) -> bool:
+    """Whether the REFILL kernel exists for this configuration: q8 with R = 2 at depth 2 would hold
+    more than the 128 registers a thread has there (nvcc spills it)."""
+    return not (shape.encoding == "q8" and config.row_tiles == 2 and config.depth == 2)
 
 
 def all_configs(shape: GemvShape, compute_capability: int) -> list:
     """Every configuration the tuner can choose for this shape: what it times alone, at every depth,
-    with either grid."""
-    return [replace(v, balanced=b) for config in configs_for(shape, compute_capability)
-            for v in depth_variants(shape, config) for b in (False, True)]
+    with either grid, with and without refill."""
+    return [replace(v, balanced=b, refill=r) for config in configs_for(shape, compute_capability)
+            for v in depth_variants(shape, config) for b in (False, True) for r in (False, True)
+            if not r or can_refill(shape, v)]
 
 
 def shape_of(tensor_info, input: str = "plain", output: str = "store") -> GemvShape:
@@ -123,7 +130,7 @@ def shape_of(tensor_info, input: str = "plain", output: str = "store") -> GemvSh
 
 def name_expression(shape: GemvShape, config: GemvConfig) -> str:
     return (f"gemv<{ENCODING_ID[shape.encoding]},{shape.group},{config.row_tiles},"
-            f"{INPUT_ID[shape.input]},{OUTPUT_ID[shape.output]},{config.split},{config.depth}>")
+            f"{INPUT_ID[shape.input]},{OUTPUT_ID[shape.output]},{config.split},{config.depth},{int(config.refill)}>")
 
 
 def staged_halves(shape: GemvShape) -> int:

@@ -4,8 +4,8 @@ Each distinct (shape, fusion) is timed over its candidate configurations (row ti
 block, x split-K where it can run) on the model's own weights: one launch per layer, so every
 launch streams weights that are not in L2, after an L2 flush and behind a GPU-side wait so the
 host's launch cost stays out of the measurement. Where timing alone is known to mislead (a split-K
-pick, a tie), the whole decode step settles it (confirm_in_step), and the ring depth and the grid's
-balance, which only show in the step, are chosen there (variants_in_step). The choices are saved in
+pick, a tie), the whole decode step settles it (confirm_in_step), and the ring depth, the grid's
+balance and the ring's refill, which only show in the step, are chosen there (variants_in_step). The choices are saved in
 a user cache keyed by the file's tensor checksums, the GPU, its compute capability and the kernel
 sources, so a second load of the same file does not re-tune.
 """
@@ -144,7 +144,8 @@ def variants_in_step(best: dict, variants: dict, step_us) -> tuple[dict, dict]:
     Used for what only shows in the step. The ring depth: alone, depths 2 to 8 are within 5%; in the
     step, where other kernels' blocks run beside it, the best depth moved TinyLlama q4 by 5.8% (H200;
     gemv.cu says what is known of why). The grid's balance (gemv.grid_units), which changes which
-    block slots the next kernels find free. variants: role -> the configurations to try (e.g. the
+    block slots the next kernels find free. The ring's refill during the products (gemv.cu REFILL),
+    which won or lost by role and model. variants: role -> the configurations to try (e.g. the
     role's configuration at each depth, and the loser of its step contest at each depth:
     CudaBackend.depth_options). One replaces the current choice only when the step is faster by
     STEP_MARGIN. Returns (the choices, role -> {config: step us} for every configuration timed)."""

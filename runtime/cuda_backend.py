@@ -390,7 +390,11 @@ class CudaBackend(Backend):
         # Then the grid: balanced or not changes which block slots the next kernels find free.
         grids = {role: self.grid_options(role, best[role]) for role in by_size}
         best, grid_trials = autotune.variants_in_step(best, {r: o for r, o in grids.items() if o}, self.step_us)
-        for role, times in [*depth_trials.items(), *grid_trials.items()]:
+        # Last, the ring refilled during the products or after them: on one H200 the refill won on
+        # the gate/up projections of Llama-2-7B (q4 and f16) and lost on every TinyLlama q4 role.
+        refills = {role: self.refill_options(role, best[role]) for role in by_size}
+        best, refill_trials = autotune.variants_in_step(best, {r: o for r, o in refills.items() if o}, self.step_us)
+        for role, times in [*depth_trials.items(), *grid_trials.items(), *refill_trials.items()]:
             self.step_contests[role] = {**self.step_contests.get(role, {}), **times}
         self.tuning_source = "measured"
         autotune.save_cached(key, {role: best[role].as_dict() for role in roles},
@@ -416,6 +420,12 @@ class CudaBackend(Backend):
         different grid."""
         rival = replace(chosen, balanced=not chosen.balanced)
         return [rival] if self.gemv_launch(role, 0, rival).grid != self.gemv_launch(role, 0, chosen).grid else []
+
+    def refill_options(self, role: str, chosen: gemv_k.GemvConfig) -> list:
+        """The chosen configuration with the ring refilled the other way (gemv.cu REFILL), where that
+        kernel exists."""
+        rival = replace(chosen, refill=not chosen.refill)
+        return [rival] if gemv_k.can_refill(self.shapes[role], rival) else []
 
     def step_us(self, tuning: dict, replays: int | None = None) -> float:
         """GPU microseconds per decode step with these GEMV configurations: graph replays back to

@@ -124,10 +124,10 @@ def gemv_configs(choices, candidates: dict) -> dict | None:
         # Plain ints only: a bool compares equal to 1 and a list does not hash.
         if any(type(value) is not int for value in fields):
             return None
-        balanced = choice.get("balanced", False)
-        if type(balanced) is not bool:
+        flags = [choice.get("balanced", False), choice.get("refill", False)]
+        if any(type(flag) is not bool for flag in flags):
             return None
-        config = gemv.GemvConfig(*fields, balanced=balanced)
+        config = gemv.GemvConfig(*fields, *flags)
         if config not in allowed:
             return None
         configs[role] = config

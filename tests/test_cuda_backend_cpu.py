@@ -102,7 +102,7 @@ def test_gemv_shapes_and_launch_geometry():
     t = random_encoded("q4", (2560, 2048), 64, np.random.default_rng(0))
     shape = gemv_k.shape_of(t, "rmsnorm", "store")
     assert shape.cols_pad == 2048 and shape.weight_bytes == 2560 * (1024 + 64)
-    assert gemv_k.name_expression(shape, gemv_k.GemvConfig(2)) == "gemv<2,64,2,1,0,1,2>"
+    assert gemv_k.name_expression(shape, gemv_k.GemvConfig(2)) == "gemv<2,64,2,1,0,1,2,0>"
     config = gemv_k.GemvConfig(2, 8)
     # reduction scratch + x as fp16 hi and lo (with bank padding, lo 32 bytes further on) + 64 zero
     # bytes for idle B lanes + one float of bias correction per 32-column section
@@ -112,7 +112,8 @@ def test_gemv_shapes_and_launch_geometry():
     # a split-K cluster keeps the peer block's sums (two tiles' worth) behind the reduction scratch
     split = gemv_k.GemvConfig(1, 4, 2)
     assert gemv_k.shared_bytes(odd, split) - gemv_k.shared_bytes(odd, gemv_k.GemvConfig(1, 4)) == 2 * 16 * 4
-    assert gemv_k.name_expression(odd, split) == "gemv<0,0,1,0,1,2,4>"
+    assert gemv_k.name_expression(odd, split) == "gemv<0,0,1,0,1,2,4,0>"
+    assert gemv_k.name_expression(odd, gemv_k.GemvConfig(1, 4, 2, refill=True)) == "gemv<0,0,1,0,1,2,4,1>"
 
 
 def test_split_k_is_tuned_only_where_it_can_run():
@@ -349,10 +350,34 @@ def test_ring_depths_default_round_trip_and_variants():
     f16 = gemv_k.shape_of(random_encoded("f16", (256, 512), None, np.random.default_rng(0)), "plain", "add")
     assert [c.depth for c in gemv_k.depth_variants(q4, C(1, 8, 2))] == [1, 2, 3, 4]
     assert [c.depth for c in gemv_k.depth_variants(q4, C(2, 4))] == [1, 2]
-    assert [c.depth for c in gemv_k.depth_variants(f16, C(1, 8))] == [1, 3, 4]      # depth 2 spills there
+    assert [c.depth for c in gemv_k.depth_variants(f16, C(1, 8))] == [1, 2, 3, 4]
     assert all(c.split == 2 and c.warps == 8 for c in gemv_k.depth_variants(q4, C(1, 8, 2)))
     assert set(gemv_k.configs_for(q4, 90)) < set(gemv_k.all_configs(q4, 90))
-    assert len(gemv_k.all_configs(q4, 90)) == 2 * 2 * (4 + 2) * 2     # splits x warps x (R1 + R2 depths) x grids
+    # splits x warps x (R1 + R2 depths) x grids x refill
+    assert len(gemv_k.all_configs(q4, 90)) == 2 * 2 * (4 + 2) * 2 * 2
+    q8 = gemv_k.shape_of(random_encoded("q8", (256, 512), 64, np.random.default_rng(0)), "plain", "add")
+    assert not any(c.refill and c.row_tiles == 2 and c.depth == 2 for c in gemv_k.all_configs(q8, 90))   # spills
+    assert len(gemv_k.all_configs(q8, 90)) == 2 * 2 * (4 + 2) * 2 * 2 - 2 * 2 * 2
+
+
+def test_refill_round_trips_and_is_tried_last_where_the_kernel_exists():
+    from types import SimpleNamespace
+
+    from tinyinfer.runtime.cuda_backend import CudaBackend
+
+    C = gemv_k.GemvConfig
+    # caches and files: no key means the ring loaded after each item, as before the option existed
+    assert "refill" not in C(2, 8, 1, 1).as_dict()
+    assert C(2, 8, 1, 1, refill=True).as_dict() == {"row_tiles": 2, "warps": 8, "depth": 1, "refill": True}
+    assert C(**C(2, 8, 1, 1, True, True).as_dict()) == C(2, 8, 1, 1, True, True)
+    assert C(2, 8, 1, 1, True, True).label.endswith("/bal/refill")
+    q4 = gemv_k.shape_of(random_encoded("q4", (256, 512), 64, np.random.default_rng(0)), "plain", "add")
+    q8 = gemv_k.shape_of(random_encoded("q8", (256, 512), 64, np.random.default_rng(0)), "plain", "add")
+    fake = SimpleNamespace(shapes={"w_gate_up": q4, "wo": q8})
+    assert CudaBackend.refill_options(fake, "w_gate_up", C(2, 8, 1, 2)) == [C(2, 8, 1, 2, refill=True)]
+    assert CudaBackend.refill_options(fake, "w_gate_up", C(2, 8, 1, 2, refill=True)) == [C(2, 8, 1, 2)]
+    assert CudaBackend.refill_options(fake, "wo", C(2, 8, 1, 2)) == []      # q8 R = 2 at depth 2: no such kernel
+    assert CudaBackend.refill_options(fake, "wo", C(2, 8, 1, 1)) == [C(2, 8, 1, 1, refill=True)]
 
 
 def test_balanced_grids_keep_the_rounds_with_fewer_blocks():

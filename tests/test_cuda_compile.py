@@ -19,28 +19,32 @@ from tinyinfer.kernels.build import SOURCES, source_text
 NVCC = shutil.which("nvcc")
 ARCHES = ["sm_75", "sm_86", "sm_90"]
 GEMV_ARGS = "(const unsigned char*, const __half*, int, int, int, const float*, const float*, float, float*)"
-# (encoding, group, row tiles, input, output, split, ring depth): every encoding and group, every R,
-# every fusion, split-K clusters, every ring depth the tuner tries (gemv.STEP_DEPTHS; f16 R = 1 skips
-# depth 2, whose ring nvcc puts in local memory), and the register-tightest kernels (q4 R = 2 with
-# RMSNorm and SwiGLU; f16 R = 2, which once kept its load ring in local memory).
-GEMV_INSTANCES = [("W_F16", 0, 1, "IN_RMSNORM", "OUT_STORE", 1, 4), ("W_F16", 0, 2, "IN_PLAIN", "OUT_ADD", 1, 2),
-                  ("W_Q4", 64, 2, "IN_RMSNORM", "OUT_SWIGLU", 1, 2), ("W_Q8", 32, 2, "IN_RMSNORM", "OUT_SWIGLU", 1, 2),
-                  ("W_Q8", 64, 2, "IN_PLAIN", "OUT_ADD", 1, 1), ("W_Q8", 128, 1, "IN_RMSNORM", "OUT_STORE", 1, 2),
-                  ("W_Q4", 32, 2, "IN_RMSNORM", "OUT_STORE", 1, 1), ("W_Q4", 64, 1, "IN_RMSNORM", "OUT_SWIGLU", 1, 4),
-                  ("W_Q4", 64, 2, "IN_PLAIN", "OUT_STORE", 1, 2), ("W_Q4", 128, 2, "IN_PLAIN", "OUT_ADD", 1, 2),
-                  ("W_Q4", 64, 1, "IN_PLAIN", "OUT_ADD", 2, 4), ("W_Q8", 64, 2, "IN_PLAIN", "OUT_ADD", 2, 2),
-                  ("W_F16", 0, 2, "IN_PLAIN", "OUT_STORE", 2, 1), ("W_Q4", 64, 1, "IN_RMSNORM", "OUT_STORE", 1, 1),
-                  ("W_Q4", 64, 1, "IN_PLAIN", "OUT_ADD", 1, 3), ("W_Q4", 64, 2, "IN_RMSNORM", "OUT_SWIGLU", 1, 1),
-                  ("W_Q8", 64, 1, "IN_PLAIN", "OUT_ADD", 2, 2), ("W_F16", 0, 1, "IN_RMSNORM", "OUT_SWIGLU", 1, 3),
-                  ("W_F16", 0, 1, "IN_PLAIN", "OUT_ADD", 2, 1)]
+# (encoding, group, row tiles, input, output, split, ring depth, refill): every encoding and group,
+# every R, every fusion, split-K clusters, every ring depth the tuner tries (gemv.STEP_DEPTHS), the
+# refilled ring (gemv.can_refill) and the register-tightest kernels (q4 R = 2 with RMSNorm and SwiGLU;
+# f16 R = 2, which once kept its load ring in local memory; the refilled rings, which hold more).
+GEMV_INSTANCES = [("W_F16", 0, 1, "IN_RMSNORM", "OUT_STORE", 1, 4, 0), ("W_F16", 0, 2, "IN_PLAIN", "OUT_ADD", 1, 2, 0),
+                  ("W_Q4", 64, 2, "IN_RMSNORM", "OUT_SWIGLU", 1, 2, 0), ("W_Q8", 32, 2, "IN_RMSNORM", "OUT_SWIGLU", 1, 2, 0),
+                  ("W_Q8", 64, 2, "IN_PLAIN", "OUT_ADD", 1, 1, 0), ("W_Q8", 128, 1, "IN_RMSNORM", "OUT_STORE", 1, 2, 0),
+                  ("W_Q4", 32, 2, "IN_RMSNORM", "OUT_STORE", 1, 1, 0), ("W_Q4", 64, 1, "IN_RMSNORM", "OUT_SWIGLU", 1, 4, 0),
+                  ("W_Q4", 64, 2, "IN_PLAIN", "OUT_STORE", 1, 2, 0), ("W_Q4", 128, 2, "IN_PLAIN", "OUT_ADD", 1, 2, 0),
+                  ("W_Q4", 64, 1, "IN_PLAIN", "OUT_ADD", 2, 4, 0), ("W_Q8", 64, 2, "IN_PLAIN", "OUT_ADD", 2, 2, 0),
+                  ("W_F16", 0, 2, "IN_PLAIN", "OUT_STORE", 2, 1, 0), ("W_Q4", 64, 1, "IN_RMSNORM", "OUT_STORE", 1, 1, 0),
+                  ("W_Q4", 64, 1, "IN_PLAIN", "OUT_ADD", 1, 3, 0), ("W_Q4", 64, 2, "IN_RMSNORM", "OUT_SWIGLU", 1, 1, 0),
+                  ("W_Q8", 64, 1, "IN_PLAIN", "OUT_ADD", 2, 2, 0), ("W_F16", 0, 1, "IN_RMSNORM", "OUT_SWIGLU", 1, 3, 0),
+                  ("W_F16", 0, 1, "IN_PLAIN", "OUT_ADD", 2, 1, 0), ("W_F16", 0, 1, "IN_PLAIN", "OUT_ADD", 1, 2, 0),
+                  ("W_Q4", 64, 2, "IN_RMSNORM", "OUT_SWIGLU", 1, 2, 1), ("W_Q4", 64, 2, "IN_RMSNORM", "OUT_SWIGLU", 1, 1, 1),
+                  ("W_Q4", 64, 1, "IN_PLAIN", "OUT_ADD", 2, 4, 1), ("W_Q8", 64, 2, "IN_PLAIN", "OUT_ADD", 2, 1, 1),
+                  ("W_Q8", 64, 1, "IN_RMSNORM", "OUT_STORE", 1, 3, 1), ("W_F16", 0, 1, "IN_RMSNORM", "OUT_SWIGLU", 1, 4, 1),
+                  ("W_F16", 0, 2, "IN_PLAIN", "OUT_ADD", 2, 2, 1), ("W_F16", 0, 1, "IN_PLAIN", "OUT_STORE", 1, 2, 1)]
 
 
 def wrapper(name: str) -> str:
     """Source that includes `name` and instantiates its templates."""
     lines = [f'#include "{name}"']
     if name == "gemv.cu":
-        lines += [f"template __global__ void gemv<{e},{g},{r},{i},{o},{s},{d}>{GEMV_ARGS};"
-                  for e, g, r, i, o, s, d in GEMV_INSTANCES]
+        lines += [f"template __global__ void gemv<{e},{g},{r},{i},{o},{s},{d},{f}>{GEMV_ARGS};"
+                  for e, g, r, i, o, s, d, f in GEMV_INSTANCES]
     return "\n".join(lines) + "\n"
 
 

@@ -177,6 +177,8 @@ def test_only_known_gemv_configurations_are_accepted():
     assert tune_in_file.gemv_configs(deep, roles)["wo"] == gemv.GemvConfig(1, 8, depth=1)
     balanced = dict(good, wo={"row_tiles": 1, "warps": 8, "balanced": True})
     assert tune_in_file.gemv_configs(balanced, roles)["wo"] == gemv.GemvConfig(1, 8, balanced=True)
+    refilled = dict(good, wo={"row_tiles": 1, "warps": 8, "depth": 1, "refill": True})
+    assert tune_in_file.gemv_configs(refilled, roles)["wo"] == gemv.GemvConfig(1, 8, depth=1, refill=True)
     for bad in ({"wqkv": good["wqkv"]},                                      # a role missing
                 dict(good, wo={"row_tiles": 3, "warps": 8}),                 # not a candidate
                 dict(good, wqkv={"row_tiles": 2, "warps": 4, "split": 2}),   # not a candidate for this role
@@ -185,17 +187,19 @@ def test_only_known_gemv_configurations_are_accepted():
                 dict(good, wo={"row_tiles": 1, "warps": 8, "depth": "1"}),
                 dict(good, wqkv={"row_tiles": 2, "warps": 4, "depth": 3}),   # R = 2 tries depths 1 and 2
                 dict(good, wo={"row_tiles": 1, "warps": 8, "balanced": 1}),  # not a bool
+                dict(good, wo={"row_tiles": 1, "warps": 8, "refill": "yes"}),
                 dict(good, wqkv="2x4"),                                      # not a map
                 "not a map", None):
         assert tune_in_file.gemv_configs(bad, roles) is None, bad
 
 
 def candidates(roles) -> dict:
-    """role -> the configurations the tuner tries on a GPU without clusters (every depth, either grid)."""
+    """role -> the configurations the tuner tries on a GPU without clusters (every depth, either grid,
+    either ring refill)."""
     from tinyinfer.kernels import gemv
 
-    return {role: [gemv.GemvConfig(rt, warps, depth=d, balanced=b) for rt, warps in gemv.CANDIDATES
-                   for d in gemv.STEP_DEPTHS[rt] for b in (False, True)]
+    return {role: [gemv.GemvConfig(rt, warps, depth=d, balanced=b, refill=f) for rt, warps in gemv.CANDIDATES
+                   for d in gemv.STEP_DEPTHS[rt] for b in (False, True) for f in (False, True)]
             for role in roles}
 
 
