@@ -467,6 +467,7 @@ class CudaBackend(Backend):
             detail = ", ".join(f"{c.label} {t:.1f}us" for c, t in sorted(times.items(), key=lambda item: item[1]))
             lines.append(f"  {self.shapes[role].key:40s} R={config.row_tiles} warps={config.warps}"
                          + (f" split={config.split}" if config.split > 1 else "") + f" depth={config.depth}"
+                         + (" balanced" if config.balanced else "") + (" refill" if config.refill else "")
                          + (f"  ({detail})" if detail else ""))
             if role in self.step_contests:
                 lines.append("    in the whole step: " + ", ".join(
