@@ -335,8 +335,8 @@ __device__ __forceinline__ int tile_outputs() {
 //
 // Refill (REFILL = 1, chosen in the decode step like the depth): the ring slot just multiplied is
 // reloaded inside the item, piece by piece, with predicated loads rather than after it. On an H200
-// this won on Llama-2-7B's gate/up projections (q4 -0.5%, f16 -0.7% of the step alone) and lost on
-// every TinyLlama q4 role (+0.2 to +2%); the tuner keeps it per role (BENCHMARKS.md, s14).
+// it wins on the f16 GEMVs that stream many items per warp (Llama-2-7B gate/up and down: -1.5% per
+// token) and loses on every TinyLlama q4 role; the tuner keeps it per role (BENCHMARKS.md, s14).
 //
 // B operand. Lane (g, t) holds A's k positions of "section" t: the 32 (q4) / 16 (q8) / 8 (f16)
 // columns of its own 16-byte load, which lie in one quantization group. B column n carries x for

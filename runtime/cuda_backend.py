@@ -391,7 +391,7 @@ class CudaBackend(Backend):
         grids = {role: self.grid_options(role, best[role]) for role in by_size}
         best, grid_trials = autotune.variants_in_step(best, {r: o for r, o in grids.items() if o}, self.step_us)
         # Last, the ring refilled during the products or after them: on one H200 the refill won on
-        # the gate/up projections of Llama-2-7B (q4 and f16) and lost on every TinyLlama q4 role.
+        # Llama-2-7B f16's gate/up and down projections and lost on every TinyLlama q4 role.
         refills = {role: self.refill_options(role, best[role]) for role in by_size}
         best, refill_trials = autotune.variants_in_step(best, {r: o for r, o in refills.items() if o}, self.step_us)
         for role, times in [*depth_trials.items(), *grid_trials.items(), *refill_trials.items()]:
