@@ -436,6 +436,51 @@ def test_the_step_contests_loser_stays_in_the_depth_stage():
     assert chosen == {"w_down": C(1, 8, 2, 2)} and len(held["w_down"]) == 8
 
 
+def test_the_tuner_runs_depth_grid_and_refill_stages_in_the_step(monkeypatch):
+    """CudaBackend.tune after the timings alone: the depth, then the grid, then the refill, each over
+    the roles largest matrix first, each change kept only at STEP_MARGIN faster, every timing kept in
+    step_contests and the choices saved."""
+    from types import SimpleNamespace
+
+    from tinyinfer.runtime import tune_in_file
+    from tinyinfer.runtime.cuda_backend import CudaBackend
+
+    C = gemv_k.GemvConfig
+    rng = np.random.default_rng(0)
+    shapes = {"wqkv": gemv_k.shape_of(random_encoded("q4", (2560, 512), 64, rng), "rmsnorm", "store"),
+              "w_down": gemv_k.shape_of(random_encoded("q4", (11008, 512), 64, rng), "plain", "add"),
+              "output": gemv_k.shape_of(random_encoded("q4", (300, 512), 64, rng), "rmsnorm", "store")}
+    saved = {}
+    monkeypatch.setattr(tune_in_file, "shipped_gemv_configs", lambda tinf, key, allowed: (None, "no entries"))
+    monkeypatch.setattr(tune_in_file, "backend_key", lambda backend: "key")
+    monkeypatch.setattr(autotune, "cache_key", lambda *args: "key")
+    monkeypatch.setattr(autotune, "load_cached", lambda key: None)
+    monkeypatch.setattr(autotune, "save_cached", lambda key, choices, about: saved.update(choices))
+    monkeypatch.setattr(autotune, "tune", lambda candidates, *args: ({role: C(1, 8) for role in candidates}, {}))
+    monkeypatch.setattr(autotune, "confirm_in_step", lambda best, times, step_us: (best, {}))
+
+    def step_us(tuning):      # w_down: depth 3 and the balanced grid win, its refill loses; wqkv's refill wins
+        down, qkv = tuning["w_down"], tuning["wqkv"]
+        return 500.0 - 10 * (down.depth == 3) - 5 * down.balanced + 6 * down.refill - 4 * qkv.refill
+
+    buffer = SimpleNamespace(fill=lambda value: None)
+    fake = SimpleNamespace(shapes=shapes, compute_capability=90, n_layers=1, tinf=SimpleNamespace(path="m.tinf"),
+                           gpu_name="gpu", log=lambda message: None, x=buffer, ffn_hidden=buffer, attn=buffer,
+                           stream=None, wait_launch=None, flush_l2=lambda: None, pdl=True, step_us=step_us,
+                           gemv_launch=lambda role, layer, c: SimpleNamespace(grid=(gemv_k.grid_units(
+                               -(-shapes[role].rows // (16 * c.row_tiles)), 264, c.balanced),)))
+    for stage in ("depth_options", "grid_options", "refill_options"):
+        setattr(fake, stage, getattr(CudaBackend, stage).__get__(fake))
+    best = CudaBackend.tune(fake)
+    assert best == {"wqkv": C(1, 8, refill=True), "w_down": C(1, 8, depth=3, balanced=True), "output": C(1, 8)}
+    assert saved == {role: config.as_dict() for role, config in best.items()}
+    down = fake.step_contests["w_down"]       # 4 depths, then the balanced grid, then the refill
+    assert len(down) == 6 and down[C(1, 8, depth=3, balanced=True, refill=True)] == 491.0
+    assert fake.step_contests["wqkv"][C(1, 8, refill=True)] == 481.0
+    assert C(1, 8, balanced=True) not in fake.step_contests["wqkv"]      # 160 tiles: the same grid either way
+    assert "output" not in fake.step_contests
+
+
 def test_the_grid_stage_tries_the_other_grid_where_it_differs():
     """CudaBackend.grid_options: the balanced grid only where it has fewer blocks (the same launch
     otherwise costs a step timing for nothing)."""
