@@ -5,9 +5,9 @@ block, x split-K where it can run) on the model's own weights: one launch per la
 launch streams weights that are not in L2, after an L2 flush and behind a GPU-side wait so the
 host's launch cost stays out of the measurement. Where timing alone is known to mislead (a split-K
 pick, a tie), the whole decode step settles it (confirm_in_step), and the ring depth, the grid's
-balance and the ring's refill, which only show in the step, are chosen there (variants_in_step). The choices are saved in
-a user cache keyed by the file's tensor checksums, the GPU, its compute capability and the kernel
-sources, so a second load of the same file does not re-tune.
+balance and the ring's refill, which only show in the step, are chosen there (variants_in_step).
+The choices are saved in a user cache keyed by the file's tensor checksums, the GPU, its compute
+capability and the kernel sources, so a second load of the same file does not re-tune.
 """
 
 from __future__ import annotations

@@ -380,22 +380,19 @@ class CudaBackend(Backend):
         best, self.tuning_times = autotune.tune(candidates, self.stream, self.wait_launch, self.flush_l2(), self.pdl)
         self._flush = self._flush_buffer = None
         best, self.step_contests = autotune.confirm_in_step(best, self.tuning_times, self.step_us)
-        # Largest matrix first: its depth moves the step most and changes which depths suit the others
-        # (on one H200, TinyLlama q4 settled at 483 us per token going wqkv first; gate/up first
-        # reached 468). The output head runs once per token: its depth moves the step by less than
-        # the timing noise.
-        by_size = sorted((r for r in roles if r != "output"), key=lambda r: -self.shapes[r].weight_bytes)
-        depths = {role: self.depth_options(role, best[role]) for role in by_size}
-        best, depth_trials = autotune.variants_in_step(best, depths, self.step_us)
-        # Then the grid: balanced or not changes which block slots the next kernels find free.
-        grids = {role: self.grid_options(role, best[role]) for role in by_size}
-        best, grid_trials = autotune.variants_in_step(best, {r: o for r, o in grids.items() if o}, self.step_us)
-        # Last, the ring refilled during the products or after them: on one H200 the refill won on
+        # Three stages in the step, each over the roles largest matrix first. The depth: the largest
+        # matrix's moves the step most and changes which depths suit the others (on one H200,
+        # TinyLlama q4 settled at 483 us per token going wqkv first; gate/up first reached 468); the
+        # output head runs once per token, so its depth moves the step by less than the timing noise.
+        # Then the grid: balanced or not changes which block slots the next kernels find free. Last,
+        # the ring refilled during the products or after them: on one H200 the refill won on
         # Llama-2-7B f16's gate/up and down projections and lost on every TinyLlama q4 role.
-        refills = {role: self.refill_options(role, best[role]) for role in by_size}
-        best, refill_trials = autotune.variants_in_step(best, {r: o for r, o in refills.items() if o}, self.step_us)
-        for role, times in [*depth_trials.items(), *grid_trials.items(), *refill_trials.items()]:
-            self.step_contests[role] = {**self.step_contests.get(role, {}), **times}
+        by_size = sorted((r for r in roles if r != "output"), key=lambda r: -self.shapes[r].weight_bytes)
+        for options_of in (self.depth_options, self.grid_options, self.refill_options):
+            options = {role: options_of(role, best[role]) for role in by_size}
+            best, trials = autotune.variants_in_step(best, {r: o for r, o in options.items() if o}, self.step_us)
+            for role, times in trials.items():
+                self.step_contests[role] = {**self.step_contests.get(role, {}), **times}
         self.tuning_source = "measured"
         autotune.save_cached(key, {role: best[role].as_dict() for role in roles},
                              {"gpu": self.gpu_name, "compute_capability": self.compute_capability,
