@@ -1,5 +1,8 @@
-// Matrix-vector products y = W x for decode (batch 1), W stored as in the .tinf file: f16, q8 or q4
-// rows padded to `kpad` columns, with one fp16 scale per `G` columns for q8/q4.
+// Matrix-vector products y = W x for decode (batch 1), W encoded as in the .tinf file: f16, q8 or q4
+// rows padded to `kpad` columns, with one fp16 scale per `G` columns for q8/q4. Laid out as in the
+// file (row-major values, then row-major scales) or, with BLOCKED, in blocks of 8 rows
+// (kernels/layout.py, where the CUDA backend rearranges the matrices after upload): then one warp's
+// 16-byte loads of 8 rows read 512 contiguous bytes instead of eight 64-byte runs a row apart.
 //
 // Work split. A row tile is 16*RT consecutive rows; the block's warps split K into chunks (warp w
 // takes chunks w, w+nwarps, ...). Per chunk a lane issues 2*NL*RT independent 16-byte loads (rows
@@ -351,10 +354,10 @@ __device__ __forceinline__ int tile_outputs() {
 // shared memory), and after a cluster barrier block 0 adds them to its own, always in that order,
 // so the result does not depend on timing.
 
-template <int WT, int G, int RT, int IN, int OUT, int SPLIT, int DEPTH, int REFILL>
+template <int WT, int G, int RT, int IN, int OUT, int SPLIT, int DEPTH, int REFILL, int BLOCKED>
 __global__ void __launch_bounds__(256, 2) gemv(
-    const unsigned char* __restrict__ w,     // tensor start: values, row-major, kpad columns
-    const __half* __restrict__ scales,       // q8/q4: [rows][kpad/G]; f16: unused
+    const unsigned char* __restrict__ w,     // tensor start: values, kpad columns, row-major or BLOCKED
+    const __half* __restrict__ scales,       // q8/q4: [rows][kpad/G] or BLOCKED; f16: unused
     int rows, int kpad, int K,               // K: logical input length (x has K valid values)
     const float* __restrict__ x,             // input [K]
     const float* __restrict__ aux,           // IN_RMSNORM: norm weight [K]
@@ -410,21 +413,24 @@ __global__ void __launch_bounds__(256, 2) gemv(
     // load) of each row. 32-bit offsets from the tensor's start (tensors are far below 4 GB): one
     // IMAD per row and one add per load instead of 64-bit address arithmetic for each. A section
     // past the row end (the last chunk may be partial) reloads the row's last section, counted with
-    // scale 0: no branch, no zero fill; rows are clamped, so loads stay in bounds.
+    // scale 0: no branch, no zero fill; rows are clamped, so loads stay in bounds. BLOCKED: the
+    // offsets of kernels/layout.py (a lane's 16 bytes never cross a 64-byte piece).
     auto item_offsets = [&](int tile, int chunk, u32 (&value_at)[RT][2][NL], u32 (&scale_at)[RT][2][NL]) {
         u32 col[NL], group[NL];
 #pragma unroll
         for (int j = 0; j < NL; ++j) {
             const int kc = min(chunk * CW + j * 4 * KPL + t * KPL, kpad - KPL);
-            col[j] = (u32)kc * BYTES_PER_K2 / 2;
-            group[j] = WT == W_F16 ? 0u : (u32)kc / G;
+            const u32 byte = (u32)kc * BYTES_PER_K2 / 2;
+            col[j] = BLOCKED ? (byte >> 6) * 512u + (byte & 63u) : byte;
+            group[j] = WT == W_F16 ? 0u : (u32)kc / G * (BLOCKED ? 8u : 1u);
         }
 #pragma unroll
         for (int rt = 0; rt < RT; ++rt)
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
                 const u32 r = min(tile_row<RT, OUT>(tile, rt, h, g, rows), rows - 1);
-                const u32 row = r * row_bytes32, srow = r * (u32)ngroups;
+                const u32 row = BLOCKED ? (r & ~7u) * row_bytes32 + (r & 7u) * 64u : r * row_bytes32;
+                const u32 srow = BLOCKED ? (r & ~7u) * (u32)ngroups + (r & 7u) : r * (u32)ngroups;
 #pragma unroll
                 for (int j = 0; j < NL; ++j) {
                     value_at[rt][h][j] = row + col[j];

@@ -1,10 +1,11 @@
 """Launching the GEMV kernels of gemv.cu, and their NumPy reference.
 
-A GemvShape says what is multiplied (encoding, group, rows, columns) and which fusions run at the
-input (plain, rmsnorm) and output (store, add, swiglu: silu(gate) * up of the fused [gate; up]
-matrix); a GemvConfig is the tunable part (row tiles of 16 per block, warps per block, whether a
-cluster of two blocks splits K, the ring depth: items each warp keeps in flight, whether the grid is
-balanced: grid_units, and whether the ring is refilled during the products: gemv.cu's REFILL).
+A GemvShape says what is multiplied (encoding, group, rows, columns, and so whether the matrix is
+held in 8-row blocks: kernels/layout.py) and which fusions run at the input (plain, rmsnorm) and
+output (store, add, swiglu: silu(gate) * up of the fused [gate; up] matrix); a GemvConfig is the
+tunable part (row tiles of 16 per block, warps per block, whether a cluster of two blocks splits K,
+the ring depth: items each warp keeps in flight, whether the grid is balanced: grid_units, and
+whether the ring is refilled during the products: gemv.cu's REFILL).
 make_gemv turns both plus device pointers into a Launch.
 """
 
@@ -16,6 +17,7 @@ from functools import lru_cache
 import numpy as np
 
 from tinyinfer.kernels.build import Launch, module
+from tinyinfer.kernels.layout import can_block
 
 ENCODING_ID = {"f16": 0, "q8": 1, "q4": 2}
 INPUT_ID = {"plain": 0, "rmsnorm": 1}
@@ -45,6 +47,11 @@ class GemvShape:
     @property
     def key(self) -> str:
         return (f"{self.encoding}g{self.group}:{self.rows}x{self.cols}:{self.input}>{self.output}")
+
+    @property
+    def blocked(self) -> bool:
+        """Whether the CUDA backend holds this matrix in 8-row blocks (kernels/layout.py)."""
+        return can_block(self.encoding, self.rows, self.cols_pad)
 
     @property
     def weight_bytes(self) -> int:
@@ -130,7 +137,8 @@ def shape_of(tensor_info, input: str = "plain", output: str = "store") -> GemvSh
 
 def name_expression(shape: GemvShape, config: GemvConfig) -> str:
     return (f"gemv<{ENCODING_ID[shape.encoding]},{shape.group},{config.row_tiles},"
-            f"{INPUT_ID[shape.input]},{OUTPUT_ID[shape.output]},{config.split},{config.depth},{int(config.refill)}>")
+            f"{INPUT_ID[shape.input]},{OUTPUT_ID[shape.output]},{config.split},{config.depth},{int(config.refill)},"
+            f"{int(shape.blocked)}>")
 
 
 def staged_halves(shape: GemvShape) -> int:
@@ -228,7 +236,8 @@ def grid_units(tiles: int, resident_units: int, balanced: bool) -> int:
 
 def make_gemv(mod, shape: GemvShape, config: GemvConfig, weight, x, y, aux=None, eps: float = 0.0,
               name: str = "gemv") -> Launch:
-    """Launch computing y (+)= g(W f(x)). weight: CuPy uint8 array holding the tensor's bytes as stored.
+    """Launch computing y (+)= g(W f(x)). weight: CuPy uint8 array holding the tensor's bytes as
+    stored, rearranged by layout.block_in_place when shape.blocked.
 
     The grid is persistent: as many blocks as stay resident (at most one per row tile, or one
     cluster of `split` blocks per row tile; grid_units)."""

@@ -5,7 +5,8 @@
 //
 //   embed_rows      token ids -> x [T][dim] float32 (the residual stream stays float32)
 //   rmsnorm_rows    x -> rms_norm(x) * w as fp16 [T][dim]            (GEMM input)
-//   dequant_q4/q8   a quantized matrix -> fp16 [rows][kpad]          (GEMM weight, once per chunk)
+//   dequant_q4/q8   a quantized matrix (row-major or in 8-row blocks) -> fp16 [rows][kpad]
+//                   (GEMM weight, once per chunk)
 //   rope_store      qkv [T][(nh + 2 nkv) hd] float32 -> q fp16 [nh][T][hd] (rotated, pre-scaled),
 //                   rotated k and v written to the fp16 KV cache at positions start..start+T-1
 //   attention       causal flash attention of the chunk's queries against the cache -> fp16 [T][nh hd]
@@ -59,16 +60,21 @@ __device__ __forceinline__ int stored_int(const u32 (&words)[4], int c) {
 // A q4 (COLS = 32) or q8 (COLS = 16) matrix, rows x kpad with one fp16 scale per G columns -> fp16
 // rows x kpad. One thread per 16 stored bytes = COLS columns of one row, all in one group (G is a
 // multiple of COLS). Each weight is q * scale computed in float32 and rounded once to fp16.
+// `blocked`: values and scales in the CUDA backend's 8-row blocks (kernels/layout.py).
 template <int COLS>
 __device__ __forceinline__ void dequant(const unsigned char* __restrict__ w, const __half* __restrict__ scales,
-                                        int rows, int kpad, int group, __half* __restrict__ out)
+                                        int rows, int kpad, int group, int blocked, __half* __restrict__ out)
 {
-    const size_t per_row = (size_t)kpad / COLS, row_bytes = per_row * 16;
+    const size_t per_row = (size_t)kpad / COLS, row_bytes = per_row * 16, groups = kpad / group;
     const size_t n = (size_t)rows * per_row;
     for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
-        const size_t r = i / per_row, piece = i % per_row, col0 = piece * COLS;
-        const float s = __half2float(scales[r * (kpad / group) + col0 / group]);
-        const uint4 packed = *reinterpret_cast<const uint4*>(w + r * row_bytes + piece * 16);
+        const size_t r = i / per_row, piece = i % per_row, col0 = piece * COLS, byte = piece * 16;
+        const size_t block_row = r & ~(size_t)7, in_block = r & 7;
+        const size_t scale_at = blocked ? block_row * groups + col0 / group * 8 + in_block : r * groups + col0 / group;
+        const size_t value_at = blocked ? block_row * row_bytes + (byte >> 6) * 512 + in_block * 64 + (byte & 63)
+                                        : r * row_bytes + byte;
+        const float s = __half2float(scales[scale_at]);
+        const uint4 packed = *reinterpret_cast<const uint4*>(w + value_at);
         const u32 words[4] = {packed.x, packed.y, packed.z, packed.w};
         uint4* dst = reinterpret_cast<uint4*>(out + r * (size_t)kpad + col0);
 #pragma unroll
@@ -83,15 +89,15 @@ __device__ __forceinline__ void dequant(const unsigned char* __restrict__ w, con
 }
 
 extern "C" __global__ void dequant_q4(const unsigned char* __restrict__ w, const __half* __restrict__ scales,
-                                      int rows, int kpad, int group, __half* __restrict__ out)
+                                      int rows, int kpad, int group, int blocked, __half* __restrict__ out)
 {
-    dequant<32>(w, scales, rows, kpad, group, out);
+    dequant<32>(w, scales, rows, kpad, group, blocked, out);
 }
 
 extern "C" __global__ void dequant_q8(const unsigned char* __restrict__ w, const __half* __restrict__ scales,
-                                      int rows, int kpad, int group, __half* __restrict__ out)
+                                      int rows, int kpad, int group, int blocked, __half* __restrict__ out)
 {
-    dequant<16>(w, scales, rows, kpad, group, out);
+    dequant<16>(w, scales, rows, kpad, group, blocked, out);
 }
 
 // RoPE (rotate-half, tables [ctx][hd/2]) for the chunk's q and k, the cache append of k and v,

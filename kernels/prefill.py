@@ -66,12 +66,15 @@ def swiglu_rows(mod, gate_up, rows: int, ffn: int, out) -> None:
     mod.get_function("swiglu_rows")((blocks_for(n),), (256,), (gate_up, np.int32(ffn), np.uint64(n), out))
 
 
-def dequant(mod, encoding: str, weight_ptr: int, scale_ptr: int, rows: int, cols_pad: int, group: int, out) -> None:
-    """out [rows, cols_pad] fp16 = the q4/q8 matrix whose values start at weight_ptr."""
+def dequant(mod, encoding: str, weight_ptr: int, scale_ptr: int, rows: int, cols_pad: int, group: int,
+            blocked: bool, out) -> None:
+    """out [rows, cols_pad] fp16 = the q4/q8 matrix whose values start at weight_ptr (in 8-row
+    blocks if `blocked`: kernels/layout.py)."""
     per_thread = 32 if encoding == "q4" else 16
     n = rows * cols_pad // per_thread
     mod.get_function(f"dequant_{encoding}")((blocks_for(n),), (256,), (
-        np.uint64(weight_ptr), np.uint64(scale_ptr), np.int32(rows), np.int32(cols_pad), np.int32(group), out))
+        np.uint64(weight_ptr), np.uint64(scale_ptr), np.int32(rows), np.int32(cols_pad), np.int32(group),
+        np.int32(blocked), out))
 
 
 def rope_store(mod, qkv, n_tokens: int, start: int, n_heads: int, n_kv: int, head_dim: int, rope_cos, rope_sin,

@@ -1,4 +1,5 @@
-"""The CUDA backend: weights on the GPU as stored, hand-written kernels, one CUDA graph per token.
+"""The CUDA backend: weights on the GPU as stored (the linears in 8-row blocks: kernels/layout.py),
+hand-written kernels, one CUDA graph per token.
 
 A decode step is a fixed sequence of kernel launches over buffers allocated once:
 
@@ -28,6 +29,7 @@ from tinyinfer.formats.quant import padded_cols
 from tinyinfer.kernels import attention as attn_k
 from tinyinfer.kernels import build
 from tinyinfer.kernels import gemv as gemv_k
+from tinyinfer.kernels import layout
 from tinyinfer.kernels import misc as misc_k
 from tinyinfer.kernels import sampling as sample_k
 from tinyinfer.runtime import autotune, cuda_prefill, tune_in_file
@@ -70,8 +72,7 @@ def check_plan(plan: dict, max_context: int) -> None:
 def check_encodings(tinf) -> None:
     """The kernels read linears as f16/q8/q4, the embedding as f16/f32/bf16 and norms as f32."""
     c = tinf.config
-    linears = ["output"] + [f"layers.{i}.{n}" for i in range(c["n_layers"]) for n in ("wqkv", "wo", "w_gate_up", "w_down")]
-    for name in linears:
+    for name in cuda_prefill.linear_names(c):
         if tinf.info(name).encoding not in gemv_k.SUPPORTED:
             raise DeviceError(f"{name} is stored as {tinf.info(name).encoding}, which the CUDA kernels do not read; "
                               "convert the model with --quant q4, q8 or f16.")
@@ -82,6 +83,15 @@ def check_encodings(tinf) -> None:
     for name in norms:
         if tinf.info(name).encoding != "f32":
             raise DeviceError(f"{name} is stored as {tinf.info(name).encoding}, not f32; convert the model again.")
+
+
+def block_linears(tinf, view, xp) -> None:
+    """Rearrange, in place, every linear that the GEMV reads in 8-row blocks (kernels/layout.py);
+    view(name) is the tensor's bytes on the device."""
+    for name in cuda_prefill.linear_names(tinf.config):
+        shape = gemv_k.shape_of(tinf.info(name))
+        if shape.blocked:
+            layout.block_in_place(view(name), shape, xp)
 
 
 class CudaBackend(Backend):
@@ -116,7 +126,10 @@ class CudaBackend(Backend):
         self.timings = {}
         tick = time.perf_counter()
         self.weights = upload_weights(tinf_file, self.stream, progress=None)
-        self.timings["upload_s"] = time.perf_counter() - tick
+        with self.stream:
+            block_linears(tinf_file, self.view, cp)
+        self.stream.synchronize()
+        self.timings["upload_s"] = time.perf_counter() - tick      # (the rearrangement included)
         with self.stream:
             tick = time.perf_counter()
             self.allocate()

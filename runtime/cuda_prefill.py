@@ -12,9 +12,11 @@ known, so each chunk of up to `chunk` tokens goes through every layer at once:
     logits = rmsnorm(x) @ output^T                        for every position, the last, or none
 
 q4/q8 weights are dequantized to fp16 into one scratch matrix right before their GEMM (once per
-chunk), f16 weights are used in place. The KV cache and rope tables are the decode engine's, so
-decoding continues from where the prefill stopped, and a prefill can start at any position (a
-later chunk, or a new chat turn over a cache that already holds the earlier ones).
+chunk); f16 weights are used in place where the backend holds them row-major, and copied there
+row-major where it holds them in 8-row blocks (kernels/layout.py: all but odd sizes). The KV cache
+and rope tables are the decode engine's, so decoding continues from where the prefill stopped, and
+a prefill can start at any position (a later chunk, or a new chat turn over a cache that already
+holds the earlier ones).
 
 The step list is written once, in run_prefill(), against an `ops` object: CudaOps runs it on the
 GPU, NumpyOps runs the same steps with the kernels' NumPy references (the CPU tests use it).
@@ -24,6 +26,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from tinyinfer.kernels import gemv as gemv_k
+from tinyinfer.kernels import layout
 from tinyinfer.kernels import prefill as prefill_k
 from tinyinfer.runtime import reference as ref
 
@@ -139,18 +143,21 @@ class CudaOps:
         return out
 
     def weight(self, name: str) -> tuple[int, int, int, int]:
-        """(fp16 pointer, rows, cols, row stride) of a linear weight, dequantized into scratch if needed."""
-        from tinyinfer.formats.quant import padded_cols, scale_offset
+        """(fp16 pointer, rows, cols, row stride) of a linear weight, as fp16 row-major in scratch if
+        it is quantized or held in 8-row blocks."""
+        from tinyinfer.formats.quant import scale_offset
 
         info = self.tinf.info(name)
-        rows, cols = info.shape
-        cols_pad = padded_cols(info.encoding, cols, info.group)
-        ptr = self.backend.view(name).data.ptr
+        shape, view = gemv_k.shape_of(info), self.backend.view(name)
+        if info.encoding == "f16" and not shape.blocked:
+            return view.data.ptr, shape.rows, shape.cols, shape.cols_pad
         if info.encoding == "f16":
-            return ptr, rows, cols, cols_pad
-        scales = ptr + scale_offset(info.encoding, info.shape, info.group)
-        prefill_k.dequant(self.mod, info.encoding, ptr, scales, rows, cols_pad, info.group, self.scratch)
-        return self.scratch.data.ptr, rows, cols, cols_pad
+            layout.unblock_values(view, shape, self.scratch, self.cp)
+        else:
+            scales = view.data.ptr + scale_offset(info.encoding, info.shape, info.group)
+            prefill_k.dequant(self.mod, info.encoding, view.data.ptr, scales, shape.rows, shape.cols_pad, info.group,
+                              shape.blocked, self.scratch)
+        return self.scratch.data.ptr, shape.rows, shape.cols, shape.cols_pad
 
     def linear(self, name: str, h, add_to=None):
         ptr, rows, cols, ld = self.weight(name)
@@ -198,14 +205,12 @@ class CudaOps:
 
 
 def scratch_halves(tinf) -> int:
-    """fp16 elements of the largest quantized linear (its dequantization scratch)."""
-    from tinyinfer.formats.quant import padded_cols
-
+    """fp16 elements of the largest linear that goes through scratch (CudaOps.weight)."""
     sizes = [0]
     for name in linear_names(tinf.config):
-        info = tinf.info(name)
-        if info.encoding in ("q4", "q8"):
-            sizes.append(info.shape[0] * padded_cols(info.encoding, info.shape[1], info.group))
+        shape = gemv_k.shape_of(tinf.info(name))
+        if shape.encoding != "f16" or shape.blocked:
+            sizes.append(shape.rows * shape.cols_pad)
     return max(sizes)
 
 

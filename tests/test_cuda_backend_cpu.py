@@ -101,19 +101,19 @@ def test_sources_are_self_contained_for_nvrtc():
 def test_gemv_shapes_and_launch_geometry():
     t = random_encoded("q4", (2560, 2048), 64, np.random.default_rng(0))
     shape = gemv_k.shape_of(t, "rmsnorm", "store")
-    assert shape.cols_pad == 2048 and shape.weight_bytes == 2560 * (1024 + 64)
-    assert gemv_k.name_expression(shape, gemv_k.GemvConfig(2)) == "gemv<2,64,2,1,0,1,2,0>"
+    assert shape.cols_pad == 2048 and shape.weight_bytes == 2560 * (1024 + 64) and shape.blocked
+    assert gemv_k.name_expression(shape, gemv_k.GemvConfig(2)) == "gemv<2,64,2,1,0,1,2,0,1>"
     config = gemv_k.GemvConfig(2, 8)
     # reduction scratch + x as fp16 hi and lo (with bank padding, lo 32 bytes further on) + 64 zero
     # bytes for idle B lanes + one float of bias correction per 32-column section
     assert gemv_k.shared_bytes(shape, config) == 2 * 8 * 32 * 4 + 4 * (2048 + 256) + 32 + 64 + 4 * 2048 // 32
     odd = gemv_k.shape_of(random_encoded("f16", (37, 72), None, np.random.default_rng(0)), "plain", "add")
-    assert odd.cols_pad == 72 and gemv_k.staged_halves(odd) == 128 + 16
+    assert odd.cols_pad == 72 and gemv_k.staged_halves(odd) == 128 + 16 and not odd.blocked
     # a split-K cluster keeps the peer block's sums (two tiles' worth) behind the reduction scratch
     split = gemv_k.GemvConfig(1, 4, 2)
     assert gemv_k.shared_bytes(odd, split) - gemv_k.shared_bytes(odd, gemv_k.GemvConfig(1, 4)) == 2 * 16 * 4
-    assert gemv_k.name_expression(odd, split) == "gemv<0,0,1,0,1,2,4,0>"
-    assert gemv_k.name_expression(odd, gemv_k.GemvConfig(1, 4, 2, refill=True)) == "gemv<0,0,1,0,1,2,4,1>"
+    assert gemv_k.name_expression(odd, split) == "gemv<0,0,1,0,1,2,4,0,0>"
+    assert gemv_k.name_expression(odd, gemv_k.GemvConfig(1, 4, 2, refill=True)) == "gemv<0,0,1,0,1,2,4,1,0>"
 
 
 def test_split_k_is_tuned_only_where_it_can_run():

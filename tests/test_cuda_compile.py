@@ -19,32 +19,35 @@ from tinyinfer.kernels.build import SOURCES, source_text
 NVCC = shutil.which("nvcc")
 ARCHES = ["sm_75", "sm_86", "sm_90"]
 GEMV_ARGS = "(const unsigned char*, const __half*, int, int, int, const float*, const float*, float, float*)"
-# (encoding, group, row tiles, input, output, split, ring depth, refill): every encoding and group,
-# every R, every fusion, split-K clusters, every ring depth the tuner tries (gemv.STEP_DEPTHS), the
-# refilled ring (gemv.can_refill) and the register-tightest kernels (q4 R = 2 with RMSNorm and SwiGLU;
-# f16 R = 2, which once kept its load ring in local memory; the refilled rings, which hold more).
-GEMV_INSTANCES = [("W_F16", 0, 1, "IN_RMSNORM", "OUT_STORE", 1, 4, 0), ("W_F16", 0, 2, "IN_PLAIN", "OUT_ADD", 1, 2, 0),
-                  ("W_Q4", 64, 2, "IN_RMSNORM", "OUT_SWIGLU", 1, 2, 0), ("W_Q8", 32, 2, "IN_RMSNORM", "OUT_SWIGLU", 1, 2, 0),
-                  ("W_Q8", 64, 2, "IN_PLAIN", "OUT_ADD", 1, 1, 0), ("W_Q8", 128, 1, "IN_RMSNORM", "OUT_STORE", 1, 2, 0),
-                  ("W_Q4", 32, 2, "IN_RMSNORM", "OUT_STORE", 1, 1, 0), ("W_Q4", 64, 1, "IN_RMSNORM", "OUT_SWIGLU", 1, 4, 0),
-                  ("W_Q4", 64, 2, "IN_PLAIN", "OUT_STORE", 1, 2, 0), ("W_Q4", 128, 2, "IN_PLAIN", "OUT_ADD", 1, 2, 0),
-                  ("W_Q4", 64, 1, "IN_PLAIN", "OUT_ADD", 2, 4, 0), ("W_Q8", 64, 2, "IN_PLAIN", "OUT_ADD", 2, 2, 0),
-                  ("W_F16", 0, 2, "IN_PLAIN", "OUT_STORE", 2, 1, 0), ("W_Q4", 64, 1, "IN_RMSNORM", "OUT_STORE", 1, 1, 0),
-                  ("W_Q4", 64, 1, "IN_PLAIN", "OUT_ADD", 1, 3, 0), ("W_Q4", 64, 2, "IN_RMSNORM", "OUT_SWIGLU", 1, 1, 0),
-                  ("W_Q8", 64, 1, "IN_PLAIN", "OUT_ADD", 2, 2, 0), ("W_F16", 0, 1, "IN_RMSNORM", "OUT_SWIGLU", 1, 3, 0),
-                  ("W_F16", 0, 1, "IN_PLAIN", "OUT_ADD", 2, 1, 0), ("W_F16", 0, 1, "IN_PLAIN", "OUT_ADD", 1, 2, 0),
-                  ("W_Q4", 64, 2, "IN_RMSNORM", "OUT_SWIGLU", 1, 2, 1), ("W_Q4", 64, 2, "IN_RMSNORM", "OUT_SWIGLU", 1, 1, 1),
-                  ("W_Q4", 64, 1, "IN_PLAIN", "OUT_ADD", 2, 4, 1), ("W_Q8", 64, 2, "IN_PLAIN", "OUT_ADD", 2, 1, 1),
-                  ("W_Q8", 64, 1, "IN_RMSNORM", "OUT_STORE", 1, 3, 1), ("W_F16", 0, 1, "IN_RMSNORM", "OUT_SWIGLU", 1, 4, 1),
-                  ("W_F16", 0, 2, "IN_PLAIN", "OUT_ADD", 2, 2, 1), ("W_F16", 0, 1, "IN_PLAIN", "OUT_STORE", 1, 2, 1)]
+# (encoding, group, row tiles, input, output, split, ring depth, refill, blocked): every encoding and
+# group, every R, every fusion, split-K clusters, every ring depth the tuner tries (gemv.STEP_DEPTHS),
+# the refilled ring (gemv.can_refill) and the register-tightest kernels (q4 R = 2 with RMSNorm and
+# SwiGLU; f16 R = 2, which once kept its load ring in local memory; the refilled rings, which hold
+# more), in the 8-row block layout the models use (kernels/layout.py) and some row-major (odd sizes).
+GEMV_INSTANCES = [("W_F16", 0, 1, "IN_RMSNORM", "OUT_STORE", 1, 4, 0, 1), ("W_F16", 0, 2, "IN_PLAIN", "OUT_ADD", 1, 2, 0, 1),
+                  ("W_Q4", 64, 2, "IN_RMSNORM", "OUT_SWIGLU", 1, 2, 0, 1), ("W_Q8", 32, 2, "IN_RMSNORM", "OUT_SWIGLU", 1, 2, 0, 1),
+                  ("W_Q8", 64, 2, "IN_PLAIN", "OUT_ADD", 1, 1, 0, 1), ("W_Q8", 128, 1, "IN_RMSNORM", "OUT_STORE", 1, 2, 0, 1),
+                  ("W_Q4", 32, 2, "IN_RMSNORM", "OUT_STORE", 1, 1, 0, 1), ("W_Q4", 64, 1, "IN_RMSNORM", "OUT_SWIGLU", 1, 4, 0, 1),
+                  ("W_Q4", 64, 2, "IN_PLAIN", "OUT_STORE", 1, 2, 0, 1), ("W_Q4", 128, 2, "IN_PLAIN", "OUT_ADD", 1, 2, 0, 1),
+                  ("W_Q4", 64, 1, "IN_PLAIN", "OUT_ADD", 2, 4, 0, 1), ("W_Q8", 64, 2, "IN_PLAIN", "OUT_ADD", 2, 2, 0, 1),
+                  ("W_F16", 0, 2, "IN_PLAIN", "OUT_STORE", 2, 1, 0, 1), ("W_Q4", 64, 1, "IN_RMSNORM", "OUT_STORE", 1, 1, 0, 1),
+                  ("W_Q4", 64, 1, "IN_PLAIN", "OUT_ADD", 1, 3, 0, 1), ("W_Q4", 64, 2, "IN_RMSNORM", "OUT_SWIGLU", 1, 1, 0, 1),
+                  ("W_Q8", 64, 1, "IN_PLAIN", "OUT_ADD", 2, 2, 0, 1), ("W_F16", 0, 1, "IN_RMSNORM", "OUT_SWIGLU", 1, 3, 0, 1),
+                  ("W_F16", 0, 1, "IN_PLAIN", "OUT_ADD", 2, 1, 0, 1), ("W_F16", 0, 1, "IN_PLAIN", "OUT_ADD", 1, 2, 0, 1),
+                  ("W_Q4", 64, 2, "IN_RMSNORM", "OUT_SWIGLU", 1, 2, 1, 1), ("W_Q4", 64, 2, "IN_RMSNORM", "OUT_SWIGLU", 1, 1, 1, 1),
+                  ("W_Q4", 64, 1, "IN_PLAIN", "OUT_ADD", 2, 4, 1, 1), ("W_Q8", 64, 2, "IN_PLAIN", "OUT_ADD", 2, 1, 1, 1),
+                  ("W_Q8", 64, 1, "IN_RMSNORM", "OUT_STORE", 1, 3, 1, 1), ("W_F16", 0, 1, "IN_RMSNORM", "OUT_SWIGLU", 1, 4, 1, 1),
+                  ("W_F16", 0, 2, "IN_PLAIN", "OUT_ADD", 2, 2, 1, 1), ("W_F16", 0, 1, "IN_PLAIN", "OUT_STORE", 1, 2, 1, 1),
+                  ("W_Q4", 64, 2, "IN_RMSNORM", "OUT_SWIGLU", 1, 2, 0, 0), ("W_Q4", 64, 1, "IN_PLAIN", "OUT_ADD", 2, 4, 1, 0),
+                  ("W_Q8", 64, 1, "IN_RMSNORM", "OUT_STORE", 1, 3, 1, 0), ("W_F16", 0, 2, "IN_PLAIN", "OUT_ADD", 2, 2, 1, 0)]
 
 
 def wrapper(name: str) -> str:
     """Source that includes `name` and instantiates its templates."""
     lines = [f'#include "{name}"']
     if name == "gemv.cu":
-        lines += [f"template __global__ void gemv<{e},{g},{r},{i},{o},{s},{d},{f}>{GEMV_ARGS};"
-                  for e, g, r, i, o, s, d, f in GEMV_INSTANCES]
+        lines += [f"template __global__ void gemv<{e},{g},{r},{i},{o},{s},{d},{f},{b}>{GEMV_ARGS};"
+                  for e, g, r, i, o, s, d, f, b in GEMV_INSTANCES]
     return "\n".join(lines) + "\n"
 
 
@@ -196,8 +199,9 @@ def test_kernel_compiles_with_nvrtc(name, cc):
         pytest.skip("NVRTC (cupy + nvidia-cuda-nvrtc) or the CUDA headers are not installed")
     nvrtc, include = found
     expressions = {
-        "gemv.cu": [name_expression(GemvShape(e, g, 1, 1, 1, i, o), GemvConfig(rt, 8, split, depth))
+        "gemv.cu": [name_expression(GemvShape(e, g, rows, 256, 256, i, o), GemvConfig(rt, 8, split, depth))
                     for e, g in [("q4", 64), ("q8", 32), ("f16", 0)] for rt, _ in CANDIDATES[::2]
+                    for rows in (8, 9)       # in 8-row blocks and row-major
                     for depth in (min(STEP_DEPTHS[rt]), max(STEP_DEPTHS[rt]))
                     for i, o, split in [("rmsnorm", "store", 1), ("plain", "add", 1), ("rmsnorm", "swiglu", 1),
                                         ("plain", "add", 2)]],

@@ -12,7 +12,6 @@ import zlib
 import numpy as np
 import pytest
 
-from tinyinfer.formats import Tensor
 from tinyinfer.kernels import attention as attn_k
 from tinyinfer.kernels import gemv as gemv_k
 from tinyinfer.kernels import misc as misc_k
@@ -21,6 +20,8 @@ from tinyinfer.kernels.build import device_compute_capability
 from tinyinfer.runtime import reference as ref
 from tinyinfer.runtime.bench import random_encoded
 from tinyinfer.runtime.sampling import SamplingParams, sample
+
+from tinf_samples import device_bytes  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 MAX_ERROR = 1e-3
@@ -43,17 +44,6 @@ def relative_error(a, b) -> float:
     return float(np.linalg.norm(np.asarray(a, np.float64) - b) / np.linalg.norm(b))
 
 
-def stored_bytes(tensor: Tensor) -> np.ndarray:
-    """The tensor's bytes exactly as a .tinf file holds them."""
-    from tinyinfer.formats import tensor_nbytes
-
-    out = np.zeros(tensor_nbytes(tensor.encoding, tensor.shape, tensor.group), dtype=np.uint8)
-    for offset, array in tensor.parts():
-        raw = np.ascontiguousarray(array).view(np.uint8).reshape(-1)
-        out[offset: offset + raw.size] = raw
-    return out
-
-
 @pytest.fixture(scope="module")
 def cc(cupy_gpu):
     return device_compute_capability()
@@ -73,7 +63,7 @@ def run_gemv(cp, cc, tensor, input, output, config, rng, x=None, mod=None):
     aux = (1 + 0.1 * rng.standard_normal(k)).astype(np.float32) if input == "rmsnorm" else None
     residual = rng.standard_normal(tensor.rows).astype(np.float32) if output == "add" else None
     y = cp.asarray(residual) if residual is not None else cp.full(gemv_k.output_rows(shape), np.nan, dtype=cp.float32)
-    launch = gemv_k.make_gemv(mod, shape, config, cp.asarray(stored_bytes(tensor)), cp.asarray(x), y,
+    launch = gemv_k.make_gemv(mod, shape, config, cp.asarray(device_bytes(tensor, shape)), cp.asarray(x), y,
                               cp.asarray(aux) if aux is not None else None, 1e-5)
     launch()
     cp.cuda.Device().synchronize()
@@ -159,7 +149,7 @@ def test_gemv_split_k_is_repeatable_bit_for_bit(cupy_gpu, cc):
     config = gemv_k.GemvConfig(1, 8, 2)
     mod = gemv_k.compile_gemvs([(shape, config)], cc)
     y = cp.full(4096, np.nan, dtype=cp.float32)
-    launch = gemv_k.make_gemv(mod, shape, config, cp.asarray(stored_bytes(tensor)),
+    launch = gemv_k.make_gemv(mod, shape, config, cp.asarray(device_bytes(tensor, shape)),
                               cp.asarray(rng.standard_normal(11008).astype(np.float32)), y)
     results = []
     for _ in range(5):

@@ -11,8 +11,11 @@ import numpy as np
 import pytest
 
 from tinyinfer.formats import open_tinf
+from tinyinfer.kernels import gemv as gemv_k
+from tinyinfer.kernels import layout
 from tinyinfer.kernels import prefill as prefill_k
 from tinyinfer.runtime import cuda_prefill
+from tinyinfer.runtime.cuda_backend import block_linears
 from tinyinfer.runtime import reference as ref
 from tinyinfer.runtime.bench import random_encoded, write_random_model
 from tinyinfer.runtime.numpy_backend import NumpyBackend
@@ -208,9 +211,11 @@ class FakeBackend:
 
         c = self.config = tinf.config
         self.tinf, self.compute_capability, self.stream = tinf, 75, FakeStream()
-        self.cp = types.SimpleNamespace(empty=device_empty, float32=np.float32, float16=np.float16, int32=np.int32)
+        self.cp = types.SimpleNamespace(empty=device_empty, float32=np.float32, float16=np.float16, int32=np.int32,
+                                        copyto=np.copyto)
         extent = max(info.offset + info.nbytes for info in tinf.infos.values())
         self.weights = np.array(tinf.memmap[tinf.data_offset: tinf.data_offset + extent]).view(DeviceArray)
+        block_linears(tinf, self.view, np)          # as the CUDA backend holds them
         shape = (c["n_layers"], max_context, c["n_kv_heads"], c["head_dim"])
         self.k_cache, self.v_cache = device_empty(shape, np.float16), device_empty(shape, np.float16)
         self.rope_cos, self.rope_sin = ref.rope_tables(c["head_dim"], max_context, c["rope_theta"], None)
@@ -243,13 +248,21 @@ def fake_launches(monkeypatch):
     def swiglu_rows(mod, gate_up, rows, ffn, out):
         out[...] = prefill_k.swiglu_reference(gate_up.reshape(rows, 2 * ffn))
 
-    def dequant(mod, encoding, weight_ptr, scale_ptr, rows, cols_pad, group, out):
+    def dequant(mod, encoding, weight_ptr, scale_ptr, rows, cols_pad, group, blocked, out):
+        width = layout.row_bytes(encoding, cols_pad)
+        values = host_array(weight_ptr, np.uint8, rows * width)
+        scales = host_array(scale_ptr, np.float16, rows * cols_pad // group)
+        if blocked:                     # back to row-major (kernels/layout.py)
+            shape = gemv_k.GemvShape(encoding, group, rows, cols_pad, cols_pad)
+            values, row_major = np.empty_like(values), values
+            layout.unblock_values(row_major, shape, values)
+            scales = scales.reshape(rows // 8, -1, 8).transpose(0, 2, 1)
         if encoding == "q4":
-            packed = host_array(weight_ptr, np.uint8, rows * cols_pad // 2).reshape(rows, -1)
+            packed = values.reshape(rows, -1)
             q = np.stack([packed & 0xF, packed >> 4], axis=-1).reshape(rows, cols_pad).astype(np.float32) - 8
         else:
-            q = host_array(weight_ptr, np.int8, rows * cols_pad).reshape(rows, cols_pad).astype(np.float32)
-        scales = host_array(scale_ptr, np.float16, rows * cols_pad // group).reshape(rows, -1).astype(np.float32)
+            q = values.view(np.int8).reshape(rows, cols_pad).astype(np.float32)
+        scales = scales.reshape(rows, -1).astype(np.float32)
         out[: rows * cols_pad] = (q * np.repeat(scales, group, axis=1)).astype(np.float16).ravel()
 
     def rope_store(mod, qkv, n, start, n_heads, n_kv, hd, cos, sin, q_out, k_cache, v_cache):

@@ -50,3 +50,24 @@ def write_runnable_tinf(path, seed=0) -> Path:
 
     write_random_model(path, RUNNABLE_CONFIG, quant="q4", group=32, seed=seed)
     return Path(path)
+
+
+def stored_bytes(tensor) -> np.ndarray:
+    """A formats.Tensor's bytes exactly as a .tinf file holds them."""
+    from tinyinfer.formats import tensor_nbytes
+
+    out = np.zeros(tensor_nbytes(tensor.encoding, tensor.shape, tensor.group), dtype=np.uint8)
+    for offset, array in tensor.parts():
+        raw = np.ascontiguousarray(array).view(np.uint8).reshape(-1)
+        out[offset: offset + raw.size] = raw
+    return out
+
+
+def device_bytes(tensor, shape) -> np.ndarray:
+    """The tensor's bytes as the CUDA backend holds them for the GEMV of `shape` (kernels/layout.py)."""
+    from tinyinfer.kernels import layout
+
+    raw = stored_bytes(tensor)
+    if shape.blocked:
+        layout.block_in_place(raw, shape)
+    return raw
