@@ -5,7 +5,8 @@ block, x split-K where it can run) on the model's own weights: one launch per la
 launch streams weights that are not in L2, after an L2 flush and behind a GPU-side wait so the
 host's launch cost stays out of the measurement. Where timing alone is known to mislead (a split-K
 pick, a tie), the whole decode step settles it (confirm_in_step), and the ring depth, the grid's
-balance and the ring's refill, which only show in the step, are chosen there (variants_in_step).
+balance and the ring's refill, which only show in the step, are chosen there (variants_in_step),
+last with a contest's loser tried again together with its neighbour's depths (moves_in_step).
 The choices are saved in a user cache keyed by the file's tensor checksums, the GPU, its compute
 capability and the kernel sources, so a second load of the same file does not re-tune.
 """
@@ -162,6 +163,27 @@ def variants_in_step(best: dict, variants: dict, step_us) -> tuple[dict, dict]:
         fastest = min(times, key=times.get)
         if times[fastest] < current * (1 - STEP_MARGIN):
             best, current = {**best, role: fastest}, times[fastest]
+    return best, held
+
+
+def moves_in_step(best: dict, moves: list, step_us) -> tuple[dict, dict]:
+    """The fastest of `moves` (each {role: config, ...}, changing one or more roles at once) by the
+    whole step's time, taken when it beats the current choices by STEP_MARGIN. Returns (the
+    choices, {move as a tuple of (role, config): step us}).
+
+    For what one role at a time cannot find: in the step, a kernel's configuration interacts with
+    its neighbours' (which blocks can start early beside which). On one H200, TinyLlama q4 tuned to
+    462 us per token with an unsplit down projection and the next layer's wqkv at depth 4, where
+    split-K alone (472) and wqkv at depth 2 alone (469) were slower, but both together 439."""
+    held = {}
+    if not moves:
+        return best, held
+    current = step_us(best)
+    for move in moves:
+        held[tuple(move.items())] = step_us({**best, **move})
+    fastest = min(held, key=held.get)
+    if held[fastest] < current * (1 - STEP_MARGIN):
+        best = {**best, **dict(fastest)}
     return best, held
 
 

@@ -97,6 +97,7 @@ def block_linears(tinf, view, xp) -> None:
 class CudaBackend(Backend):
     launch_cache = None      # {key: Launch} while loading, see __init__
     last_step_us = None      # the tuner's latest step timing (step_us)
+    joint_moves = {}         # the tuner's last stage: {move: us per step} (autotune.moves_in_step)
 
     def __init__(self, tinf_file, verbose: bool = False, max_context: int | None = None):
         import cupy as cp
@@ -397,7 +398,7 @@ class CudaBackend(Backend):
         # matrix's moves the step most and changes which depths suit the others (on one H200,
         # TinyLlama q4 settled at 483 us per token going wqkv first; gate/up first reached 468); the
         # output head runs once per token, so its depth moves the step by less than the timing noise.
-        # Then the grid: balanced or not changes which block slots the next kernels find free. Last,
+        # Then the grid: balanced or not changes which block slots the next kernels find free. Then
         # the ring refilled during the products or after them: on one H200 the refill won on
         # Llama-2-7B f16's gate/up and down projections and lost on every TinyLlama q4 role.
         by_size = sorted((r for r in roles if r != "output"), key=lambda r: -self.shapes[r].weight_bytes)
@@ -406,6 +407,8 @@ class CudaBackend(Backend):
             best, trials = autotune.variants_in_step(best, {r: o for r, o in options.items() if o}, self.step_us)
             for role, times in trials.items():
                 self.step_contests[role] = {**self.step_contests.get(role, {}), **times}
+        # Last, the contest losers again, each together with the next GEMV's other depths.
+        best, self.joint_moves = autotune.moves_in_step(best, self.neighbour_moves(best), self.step_us)
         self.tuning_source = "measured"
         autotune.save_cached(key, {role: best[role].as_dict() for role in roles},
                              {"gpu": self.gpu_name, "compute_capability": self.compute_capability,
@@ -424,6 +427,26 @@ class CudaBackend(Backend):
             if rival != chosen:
                 options += [c for c in gemv_k.depth_variants(shape, rival) if c not in options]
         return options
+
+    def neighbour_moves(self, best: dict) -> list:
+        """Joint moves for autotune.moves_in_step: where a role's step contest had a rival (split-K
+        against unsplit, R = 1 against R = 2), the rival at its fastest timed depth together with
+        each other depth of the GEMV after it in the step (the down projection is followed by the
+        next layer's wqkv), whose early blocks start beside its last ones. (H200: TinyLlama q4's
+        joint win was of that kind; the GEMV before it was tried too and never won, in 6 TinyLlama
+        and 3 Llama-2-7B q4 tunings.)"""
+        order = ["wqkv", "wo", "w_gate_up", "w_down"]
+        moves = []
+        for role, after in zip(order, order[1:] + order[:1]):
+            def same_kind(config):
+                return (config.split, config.row_tiles) == (best[role].split, best[role].row_tiles)
+
+            rivals = {c: us for c, us in self.step_contests.get(role, {}).items() if not same_kind(c)}
+            if rivals:
+                rival = min(rivals, key=rivals.get)
+                moves += [{role: rival, after: c} for c in gemv_k.depth_variants(self.shapes[after], best[after])
+                          if c != best[after]]
+        return moves
 
     def grid_options(self, role: str, chosen: gemv_k.GemvConfig) -> list:
         """The chosen configuration with the balanced grid (gemv.grid_units), where that is a
@@ -482,6 +505,10 @@ class CudaBackend(Backend):
             if role in self.step_contests:
                 lines.append("    in the whole step: " + ", ".join(
                     f"{c.label} {us:.1f}" for c, us in self.step_contests[role].items()) + " us per token")
+        if self.joint_moves:
+            lines.append("  joint moves in the whole step: " + ", ".join(
+                " + ".join(f"{role} {c.label}" for role, c in move) + f" {us:.1f}"
+                for move, us in self.joint_moves.items()) + " us per token")
         return "\n".join(lines)
 
     # ------------------------------------------------------------------------------ running

@@ -469,16 +469,48 @@ def test_the_tuner_runs_depth_grid_and_refill_stages_in_the_step(monkeypatch):
                            stream=None, wait_launch=None, flush_l2=lambda: None, pdl=True, step_us=step_us,
                            gemv_launch=lambda role, layer, c: SimpleNamespace(grid=(gemv_k.grid_units(
                                -(-shapes[role].rows // (16 * c.row_tiles)), 264, c.balanced),)))
-    for stage in ("depth_options", "grid_options", "refill_options"):
+    for stage in ("depth_options", "grid_options", "refill_options", "neighbour_moves"):
         setattr(fake, stage, getattr(CudaBackend, stage).__get__(fake))
     best = CudaBackend.tune(fake)
     assert best == {"wqkv": C(1, 8, refill=True), "w_down": C(1, 8, depth=3, balanced=True), "output": C(1, 8)}
+    assert fake.joint_moves == {}                  # no step contest, so no rival to try with neighbours
     assert saved == {role: config.as_dict() for role, config in best.items()}
     down = fake.step_contests["w_down"]       # 4 depths, then the balanced grid, then the refill
     assert len(down) == 6 and down[C(1, 8, depth=3, balanced=True, refill=True)] == 491.0
     assert fake.step_contests["wqkv"][C(1, 8, refill=True)] == 481.0
     assert C(1, 8, balanced=True) not in fake.step_contests["wqkv"]      # 160 tiles: the same grid either way
     assert "output" not in fake.step_contests
+
+
+def test_a_contest_loser_is_tried_again_with_its_neighbours_depths():
+    """CudaBackend.neighbour_moves + autotune.moves_in_step: a split-K down projection that loses its
+    contest, and a wqkv depth that loses alone, are kept when together they win (as on one H200:
+    TinyLlama q4 462 -> 440 us per token); the moves pair the rival with the depths of the GEMV
+    after it (the next layer's wqkv)."""
+    from types import SimpleNamespace
+
+    from tinyinfer.runtime.cuda_backend import CudaBackend
+
+    C = gemv_k.GemvConfig
+    rng = np.random.default_rng(0)
+    shapes = {role: gemv_k.shape_of(random_encoded("q4", (rows, 512), 64, rng), *fusion)
+              for role, rows, fusion in [("wqkv", 768, ("rmsnorm", "store")), ("wo", 512, ("plain", "add")),
+                                         ("w_gate_up", 2048, ("rmsnorm", "swiglu")), ("w_down", 512, ("plain", "add"))]}
+    best = {"wqkv": C(1, 8, depth=4), "wo": C(1, 8, depth=1), "w_gate_up": C(2, 8, depth=1), "w_down": C(1, 8, depth=4)}
+    split = C(1, 8, 2, depth=4)
+    contests = {"w_down": {best["w_down"]: 462.0, split: 471.8, C(1, 8, 2, depth=2): 472.0}}
+    fake = SimpleNamespace(shapes=shapes, step_contests=contests)
+    moves = CudaBackend.neighbour_moves(fake, best)
+    assert moves == [{"w_down": split, "wqkv": C(1, 8, depth=d)} for d in (1, 2, 3)]
+
+    def step_us(tuning):
+        together = tuning["w_down"].split == 2 and tuning["wqkv"].depth == 2
+        return 439.0 if together else 462.0 + 10 * (tuning["w_down"].split == 2) + 6 * (tuning["wqkv"].depth == 2)
+
+    chosen, held = autotune.moves_in_step(best, moves, step_us)
+    assert chosen == {**best, "w_down": split, "wqkv": C(1, 8, depth=2)} and len(held) == 3
+    assert autotune.moves_in_step(best, moves, lambda tuning: 462.0)[0] == best     # no gain, no change
+    assert autotune.moves_in_step(best, [], step_us) == (best, {})
 
 
 def test_the_grid_stage_tries_the_other_grid_where_it_differs():
