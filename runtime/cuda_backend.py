@@ -438,10 +438,8 @@ class CudaBackend(Backend):
         order = ["wqkv", "wo", "w_gate_up", "w_down"]
         moves = []
         for role, after in zip(order, order[1:] + order[:1]):
-            def same_kind(config):
-                return (config.split, config.row_tiles) == (best[role].split, best[role].row_tiles)
-
-            rivals = {c: us for c, us in self.step_contests.get(role, {}).items() if not same_kind(c)}
+            rivals = {c: us for c, us in self.step_contests.get(role, {}).items()
+                      if (c.split, c.row_tiles) != (best[role].split, best[role].row_tiles)}
             if rivals:
                 rival = min(rivals, key=rivals.get)
                 moves += [{role: rival, after: c} for c in gemv_k.depth_variants(self.shapes[after], best[after])
