@@ -17,7 +17,7 @@ from functools import lru_cache
 import numpy as np
 
 from tinyinfer.kernels.build import Launch, module
-from tinyinfer.kernels.layout import can_block
+from tinyinfer.kernels.layout import can_block, row_bytes
 
 ENCODING_ID = {"f16": 0, "q8": 1, "q4": 2}
 INPUT_ID = {"plain": 0, "rmsnorm": 1}
@@ -56,9 +56,8 @@ class GemvShape:
     @property
     def weight_bytes(self) -> int:
         """Bytes of the weight tensor the kernel reads (values + scales)."""
-        per_row = {"f16": 2 * self.cols_pad, "q8": self.cols_pad, "q4": self.cols_pad // 2}[self.encoding]
         scales = 0 if self.encoding == "f16" else 2 * self.cols_pad // self.group
-        return self.rows * (per_row + scales)
+        return self.rows * (row_bytes(self.encoding, self.cols_pad) + scales)
 
 
 @dataclass(frozen=True)
