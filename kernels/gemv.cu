@@ -353,9 +353,15 @@ __device__ __forceinline__ int tile_outputs() {
 // the staging per block. Block 1 stores each tile's sums into block 0's shared memory (distributed
 // shared memory), and after a cluster barrier block 0 adds them to its own, always in that order,
 // so the result does not depend on timing.
+//
+// Block width (WIDE = 1: 16 warps, one block per SM; else at most 8 warps, two blocks per SM, the
+// same 128-register cap either way). A wide block splits K over twice the warps, as a split-K
+// cluster does, but sums the warps in its own shared memory. Its bounds are a separate
+// instantiation: compiled for 512 threads, the 256-thread kernels measured 0.5-2% slower in the step
+// (H200, BENCHMARKS.md s16).
 
-template <int WT, int G, int RT, int IN, int OUT, int SPLIT, int DEPTH, int REFILL, int BLOCKED>
-__global__ void __launch_bounds__(256, 2) gemv(
+template <int WT, int G, int RT, int IN, int OUT, int SPLIT, int DEPTH, int REFILL, int BLOCKED, int WIDE>
+__global__ void __launch_bounds__(WIDE ? 512 : 256, WIDE ? 1 : 2) gemv(
     const unsigned char* __restrict__ w,     // tensor start: values, kpad columns, row-major or BLOCKED
     const __half* __restrict__ scales,       // q8/q4: [rows][kpad/G] or BLOCKED; f16: unused
     int rows, int kpad, int K,               // K: logical input length (x has K valid values)

@@ -3,9 +3,9 @@
 A GemvShape says what is multiplied (encoding, group, rows, columns, and so whether the matrix is
 held in 8-row blocks: kernels/layout.py) and which fusions run at the input (plain, rmsnorm) and
 output (store, add, swiglu: silu(gate) * up of the fused [gate; up] matrix); a GemvConfig is the
-tunable part (row tiles of 16 per block, warps per block, whether a cluster of two blocks splits K,
-the ring depth: items each warp keeps in flight, whether the grid is balanced: grid_units, and
-whether the ring is refilled during the products: gemv.cu's REFILL).
+tunable part (row tiles of 16 per block, warps per block (16: a wide block, one per SM), whether a
+cluster of two blocks splits K, the ring depth: items each warp keeps in flight, whether the grid is
+balanced: grid_units, and whether the ring is refilled during the products: gemv.cu's REFILL).
 make_gemv turns both plus device pointers into a Launch.
 """
 
@@ -24,7 +24,8 @@ INPUT_ID = {"plain": 0, "rmsnorm": 1}
 OUTPUT_ID = {"store": 0, "add": 1, "swiglu": 2}
 CHUNK_K = {"f16": 64, "q8": 128, "q4": 256}   # columns per chunk: NL(2) * 4 lanes * 16 bytes
 SUPPORTED = tuple(ENCODING_ID)
-CANDIDATES = tuple((rt, warps) for rt in (1, 2) for warps in (4, 8))
+CANDIDATES = tuple((rt, warps) for rt in (1, 2) for warps in (4, 8, 16))
+WIDE_WARPS = 16               # warps of a wide block (gemv.cu WIDE: 512 threads, one block per SM)
 SPLITS = (1, 2)               # blocks per cluster sharing one tile's K (2: plain inputs on Hopper)
 SPLIT_MIN_COMPUTE_CAPABILITY = 90   # thread-block clusters
 # Ring depth (items in flight per warp, gemv.cu's DEPTH) by row tiles: the depth every configuration
@@ -63,7 +64,7 @@ class GemvShape:
 @dataclass(frozen=True)
 class GemvConfig:
     row_tiles: int = 1   # 16-row tiles per block (R)
-    warps: int = 8       # warps per block, splitting K
+    warps: int = 8       # warps per block, splitting K (WIDE_WARPS: gemv.cu's WIDE kernel)
     split: int = 1       # blocks (a cluster) splitting each tile's K between them
     depth: int = 0       # items in flight per warp; 0: DEFAULT_DEPTH of row_tiles
     balanced: bool = False   # grid: the fewest blocks for as many rounds of tiles (grid_units)
@@ -79,6 +80,10 @@ class GemvConfig:
         return {"row_tiles": self.row_tiles, "warps": self.warps, **({"split": self.split} if self.split > 1 else {}),
                 **({"depth": self.depth} if self.depth != DEFAULT_DEPTH.get(self.row_tiles) else {}),
                 **({"balanced": True} if self.balanced else {}), **({"refill": True} if self.refill else {})}
+
+    @property
+    def wide(self) -> bool:
+        return self.warps == WIDE_WARPS
 
     @property
     def label(self) -> str:
@@ -137,7 +142,7 @@ def shape_of(tensor_info, input: str = "plain", output: str = "store") -> GemvSh
 def name_expression(shape: GemvShape, config: GemvConfig) -> str:
     return (f"gemv<{ENCODING_ID[shape.encoding]},{shape.group},{config.row_tiles},"
             f"{INPUT_ID[shape.input]},{OUTPUT_ID[shape.output]},{config.split},{config.depth},{int(config.refill)},"
-            f"{int(shape.blocked)}>")
+            f"{int(shape.blocked)},{int(config.wide)}>")
 
 
 def staged_halves(shape: GemvShape) -> int:

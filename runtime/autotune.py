@@ -84,17 +84,17 @@ TIE = 0.03
 
 
 def pick(times: dict):
-    """The fastest configuration; among those tied with it, one without split-K, then the one with
-    the fewest row tiles.
+    """The fastest configuration; among those tied with it, one without split-K, then one of
+    ordinary width (not gemv's wide block), then the one with the fewest row tiles.
 
     Timed alone, R = 1 and R = 2 often tie on small matrices, and which one wins follows noise; in
     the decode step the smaller tiles (twice the blocks) were the faster every time it was measured
     (H200: TinyLlama q4's wqkv 1,795 vs 1,688-1,689 tok/s for the whole step, q8's wo 1,532 vs
     1,390). A split-K cluster occupies twice the block slots, which the next kernel's early blocks
-    would otherwise use, so it must win outright."""
+    would otherwise use, so it must win outright; so must a wide block, which takes a whole SM."""
     fastest = min(times.values())
     tied = [config for config, us in times.items() if us <= fastest * (1 + TIE)]
-    return min(tied, key=lambda config: (config.split, config.row_tiles, times[config]))
+    return min(tied, key=lambda config: (config.split, config.wide, config.row_tiles, times[config]))
 
 
 # In the whole step, a challenger must beat the incumbent by at least this fraction.
@@ -109,9 +109,11 @@ def step_contest(chosen, times: dict):
     second block per tile takes register-file room the next kernel's early blocks would use), so an
     unsplit configuration is the incumbent against it; and a tie given to fewer row tiles can cost
     the step (Llama-2-7B q4's gate/up: R = 1 and R = 2 within 3% alone, R = 2 3.2% faster in the
-    step), so the fastest configuration alone challenges the tie's winner."""
-    if chosen.split > 1:
-        return pick({c: us for c, us in times.items() if c.split == 1}), chosen
+    step), so the fastest configuration alone challenges the tie's winner. A wide block (16 warps)
+    is held to the same test as split-K: alone, TinyLlama q4's o projection was fastest with R = 1 in
+    wide blocks, which made the step 10% slower."""
+    if chosen.split > 1 or chosen.wide:
+        return pick({c: us for c, us in times.items() if c.split == 1 and not c.wide}), chosen
     fastest = min(times, key=times.get)
     return (chosen, fastest) if fastest != chosen else None
 

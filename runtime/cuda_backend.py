@@ -407,8 +407,10 @@ class CudaBackend(Backend):
             best, trials = autotune.variants_in_step(best, {r: o for r, o in options.items() if o}, self.step_us)
             for role, times in trials.items():
                 self.step_contests[role] = {**self.step_contests.get(role, {}), **times}
-        # Last, the contest losers again, each together with the next GEMV's other depths.
-        best, self.joint_moves = autotune.moves_in_step(best, self.neighbour_moves(best), self.step_us)
+        # Last, the contest losers again, each together with the next GEMV's other depths, and every
+        # role in wide blocks at once.
+        moves = self.neighbour_moves(best) + self.wide_moves(best)
+        best, self.joint_moves = autotune.moves_in_step(best, moves, self.step_us)
         self.tuning_source = "measured"
         autotune.save_cached(key, {role: best[role].as_dict() for role in roles},
                              {"gpu": self.gpu_name, "compute_capability": self.compute_capability,
@@ -417,8 +419,8 @@ class CudaBackend(Backend):
 
     def depth_options(self, role: str, chosen: gemv_k.GemvConfig) -> list:
         """The configurations the depth stage tries for a role: the chosen one and the loser of the
-        role's step contest (split-K against unsplit, or R = 1 against R = 2), each at every depth.
-        The contest is held at the default depths, where TinyLlama q4's down projection split and
+        role's step contest (split-K or a wide block against neither, or R = 1 against R = 2), each at
+        every depth. The contest is held at the default depths, where TinyLlama q4's down projection split and
         unsplit were within 1%, while at the depths chosen later split-K is 4% faster: decided at
         the contest alone, one fresh tuning in five kept the slower set (H200, BENCHMARKS.md s12)."""
         shape = self.shapes[role]
@@ -430,7 +432,7 @@ class CudaBackend(Backend):
 
     def neighbour_moves(self, best: dict) -> list:
         """Joint moves for autotune.moves_in_step: where a role's step contest had a rival (split-K
-        against unsplit, R = 1 against R = 2), the rival at its fastest timed depth together with
+        or a wide block against neither, R = 1 against R = 2), the rival at its fastest timed depth together with
         each other depth of the GEMV after it in the step (the down projection is followed by the
         next layer's wqkv), whose early blocks start beside its last ones. (H200: TinyLlama q4's
         joint win was of that kind; the GEMV before it was tried too and never won, in 6 TinyLlama
@@ -439,12 +441,25 @@ class CudaBackend(Backend):
         moves = []
         for role, after in zip(order, order[1:] + order[:1]):
             rivals = {c: us for c, us in self.step_contests.get(role, {}).items()
-                      if (c.split, c.row_tiles) != (best[role].split, best[role].row_tiles)}
+                      if (c.split, c.row_tiles, c.warps) != (best[role].split, best[role].row_tiles, best[role].warps)}
             if rivals:
                 rival = min(rivals, key=rivals.get)
                 moves += [{role: rival, after: c} for c in gemv_k.depth_variants(self.shapes[after], best[after])
                           if c != best[after]]
         return moves
+
+    def wide_moves(self, best: dict) -> list:
+        """The joint move to wide blocks (gemv.cu WIDE) for autotune.moves_in_step: every role at its
+        fastest wide configuration timed alone. On one H200, TinyLlama f16 took 6% less per token with
+        every GEMV in wide blocks, while no role alone gained more than 1.3%, likely because a wide
+        block takes a whole SM, which a wide block of the kernel before frees at once, and two blocks
+        of 8 warps only when both have ended (BENCHMARKS.md s16)."""
+        wide = {}
+        for role, times in self.tuning_times.items():
+            timed = {c: us for c, us in times.items() if c.wide}
+            if timed:
+                wide[role] = min(timed, key=timed.get)
+        return [wide] if any(best[role] != config for role, config in wide.items()) else []
 
     def grid_options(self, role: str, chosen: gemv_k.GemvConfig) -> list:
         """The chosen configuration with the balanced grid (gemv.grid_units), where that is a

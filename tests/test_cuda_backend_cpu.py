@@ -102,7 +102,7 @@ def test_gemv_shapes_and_launch_geometry():
     t = random_encoded("q4", (2560, 2048), 64, np.random.default_rng(0))
     shape = gemv_k.shape_of(t, "rmsnorm", "store")
     assert shape.cols_pad == 2048 and shape.weight_bytes == 2560 * (1024 + 64) and shape.blocked
-    assert gemv_k.name_expression(shape, gemv_k.GemvConfig(2)) == "gemv<2,64,2,1,0,1,2,0,1>"
+    assert gemv_k.name_expression(shape, gemv_k.GemvConfig(2)) == "gemv<2,64,2,1,0,1,2,0,1,0>"
     config = gemv_k.GemvConfig(2, 8)
     # reduction scratch + x as fp16 hi and lo (with bank padding, lo 32 bytes further on) + 64 zero
     # bytes for idle B lanes + one float of bias correction per 32-column section
@@ -112,8 +112,14 @@ def test_gemv_shapes_and_launch_geometry():
     # a split-K cluster keeps the peer block's sums (two tiles' worth) behind the reduction scratch
     split = gemv_k.GemvConfig(1, 4, 2)
     assert gemv_k.shared_bytes(odd, split) - gemv_k.shared_bytes(odd, gemv_k.GemvConfig(1, 4)) == 2 * 16 * 4
-    assert gemv_k.name_expression(odd, split) == "gemv<0,0,1,0,1,2,4,0,0>"
-    assert gemv_k.name_expression(odd, gemv_k.GemvConfig(1, 4, 2, refill=True)) == "gemv<0,0,1,0,1,2,4,1,0>"
+    assert gemv_k.name_expression(odd, split) == "gemv<0,0,1,0,1,2,4,0,0,0>"
+    assert gemv_k.name_expression(odd, gemv_k.GemvConfig(1, 4, 2, refill=True)) == "gemv<0,0,1,0,1,2,4,1,0,0>"
+    # a wide block (16 warps) is its own instantiation (launch bounds of 512 threads), with twice the
+    # warps' partial sums in its reduction scratch
+    wide = gemv_k.GemvConfig(1, 16)
+    assert wide.wide and not config.wide and wide.label == "R1/w16/d4"
+    assert gemv_k.name_expression(shape, wide) == "gemv<2,64,1,1,0,1,4,0,1,1>"
+    assert gemv_k.shared_bytes(shape, wide) - gemv_k.shared_bytes(shape, gemv_k.GemvConfig(1, 8)) == 2 * 8 * 16 * 4
 
 
 def test_split_k_is_tuned_only_where_it_can_run():
@@ -307,6 +313,9 @@ def test_autotune_ties_go_to_fewer_row_tiles():
     # a split-K cluster must win by more than the margin (it fills twice the SMs' block slots)
     assert autotune.pick({C(1, 8, 2): 5.0, C(1, 8): 5.1}) == C(1, 8)
     assert autotune.pick({C(1, 8, 2): 4.0, C(1, 8): 5.1}) == C(1, 8, 2)
+    # so must a wide block (it takes a whole SM), even against more row tiles
+    assert autotune.pick({C(1, 16): 5.0, C(2, 8): 5.1, C(1, 8): 6.0}) == C(2, 8)
+    assert autotune.pick({C(1, 16): 4.0, C(2, 8): 5.1}) == C(1, 16)
 
 
 def test_picks_timing_alone_cannot_settle_are_settled_in_the_whole_step():
@@ -319,6 +328,10 @@ def test_picks_timing_alone_cannot_settle_are_settled_in_the_whole_step():
     assert autotune.step_contest(best["wo"], timings["wo"]) == (C(1, 8), C(1, 8, 2))   # unsplit: tied, fewer tiles
     assert autotune.step_contest(best["w_gate_up"], timings["w_gate_up"]) == (C(1, 8), C(2, 8))
     assert autotune.step_contest(best["wqkv"], timings["wqkv"]) is None
+    # a wide block picked alone faces the best ordinary configuration in the step, as split-K does
+    wide_times = {C(1, 16): 3.0, C(1, 16, 2): 3.5, C(2, 8): 3.6, C(1, 8): 3.65}
+    assert autotune.step_contest(C(1, 16), wide_times) == (C(1, 8), C(1, 16))
+    assert autotune.step_contest(C(1, 16, 2), wide_times) == (C(1, 8), C(1, 16, 2))
     step = {("wo", C(1, 8, 2)): 490.0, ("wo", C(1, 8)): 500.0,             # split wins in the step
             ("w_gate_up", C(2, 8)): 480.0, ("w_gate_up", C(1, 8)): 500.0,  # so does the faster-alone R = 2
             ("w_down", C(1, 8, 2)): 505.0, ("w_down", C(1, 8)): 500.0}     # split loses
@@ -353,11 +366,11 @@ def test_ring_depths_default_round_trip_and_variants():
     assert [c.depth for c in gemv_k.depth_variants(f16, C(1, 8))] == [1, 2, 3, 4]
     assert all(c.split == 2 and c.warps == 8 for c in gemv_k.depth_variants(q4, C(1, 8, 2)))
     assert set(gemv_k.configs_for(q4, 90)) < set(gemv_k.all_configs(q4, 90))
-    # splits x warps x (R1 + R2 depths) x grids x refill
-    assert len(gemv_k.all_configs(q4, 90)) == 2 * 2 * (4 + 2) * 2 * 2
+    # splits x warps (4, 8, 16) x (R1 + R2 depths) x grids x refill
+    assert len(gemv_k.all_configs(q4, 90)) == 2 * 3 * (4 + 2) * 2 * 2
     q8 = gemv_k.shape_of(random_encoded("q8", (256, 512), 64, np.random.default_rng(0)), "plain", "add")
     assert not any(c.refill and c.row_tiles == 2 and c.depth == 2 for c in gemv_k.all_configs(q8, 90))   # spills
-    assert len(gemv_k.all_configs(q8, 90)) == 2 * 2 * (4 + 2) * 2 * 2 - 2 * 2 * 2
+    assert len(gemv_k.all_configs(q8, 90)) == 2 * 3 * (4 + 2) * 2 * 2 - 2 * 3 * 2
 
 
 def test_refill_round_trips_and_is_tried_last_where_the_kernel_exists():
@@ -469,7 +482,7 @@ def test_the_tuner_runs_depth_grid_and_refill_stages_in_the_step(monkeypatch):
                            stream=None, wait_launch=None, flush_l2=lambda: None, pdl=True, step_us=step_us,
                            gemv_launch=lambda role, layer, c: SimpleNamespace(grid=(gemv_k.grid_units(
                                -(-shapes[role].rows // (16 * c.row_tiles)), 264, c.balanced),)))
-    for stage in ("depth_options", "grid_options", "refill_options", "neighbour_moves"):
+    for stage in ("depth_options", "grid_options", "refill_options", "neighbour_moves", "wide_moves"):
         setattr(fake, stage, getattr(CudaBackend, stage).__get__(fake))
     best = CudaBackend.tune(fake)
     assert best == {"wqkv": C(1, 8, refill=True), "w_down": C(1, 8, depth=3, balanced=True), "output": C(1, 8)}
@@ -511,6 +524,32 @@ def test_a_contest_loser_is_tried_again_with_its_neighbours_depths():
     assert chosen == {**best, "w_down": split, "wqkv": C(1, 8, depth=2)} and len(held) == 3
     assert autotune.moves_in_step(best, moves, lambda tuning: 462.0)[0] == best     # no gain, no change
     assert autotune.moves_in_step(best, [], step_us) == (best, {})
+
+
+def test_every_role_in_wide_blocks_is_one_joint_move():
+    """CudaBackend.wide_moves: each role at its fastest wide configuration timed alone, as one move
+    (as on one H200: TinyLlama f16 748 -> 704 us per token with every GEMV in wide blocks, while no
+    role alone gained more than 1.3%); none when the choices are wide already or none was timed."""
+    from types import SimpleNamespace
+
+    from tinyinfer.runtime.cuda_backend import CudaBackend
+
+    C = gemv_k.GemvConfig
+    times = {"wqkv": {C(1, 8): 5.0, C(2, 16): 5.2, C(1, 16): 5.3},
+             "w_down": {C(1, 8, 2): 6.0, C(1, 16, 2): 6.1, C(2, 16): 6.4, C(1, 8): 7.0}}
+    best = {"wqkv": C(1, 8, depth=1), "w_down": C(1, 8, 2, depth=2)}
+    fake = SimpleNamespace(tuning_times=times)
+    move = {"wqkv": C(2, 16), "w_down": C(1, 16, 2)}
+    assert CudaBackend.wide_moves(fake, best) == [move]
+    assert CudaBackend.wide_moves(fake, move) == []
+    assert CudaBackend.wide_moves(SimpleNamespace(tuning_times={}), best) == []
+
+    def step_us(tuning):                  # each wide role alone is slower; both together are faster
+        wide = sum(config.wide for config in tuning.values())
+        return {0: 748.0, 1: 750.0, 2: 704.0}[wide]
+
+    chosen, held = autotune.moves_in_step(best, CudaBackend.wide_moves(fake, best), step_us)
+    assert chosen == move and held == {tuple(move.items()): 704.0}
 
 
 def test_the_grid_stage_tries_the_other_grid_where_it_differs():

@@ -19,35 +19,38 @@ from tinyinfer.kernels.build import SOURCES, source_text
 NVCC = shutil.which("nvcc")
 ARCHES = ["sm_75", "sm_86", "sm_90"]
 GEMV_ARGS = "(const unsigned char*, const __half*, int, int, int, const float*, const float*, float, float*)"
-# (encoding, group, row tiles, input, output, split, ring depth, refill, blocked): every encoding and
+# (encoding, group, row tiles, input, output, split, ring depth, refill, blocked, wide): every encoding and
 # group, every R, every fusion, split-K clusters, every ring depth the tuner tries (gemv.STEP_DEPTHS),
 # the refilled ring (gemv.can_refill) and the register-tightest kernels (q4 R = 2 with RMSNorm and
 # SwiGLU; f16 R = 2, which once kept its load ring in local memory; the refilled rings, which hold
-# more), in the 8-row block layout the models use (kernels/layout.py) and some row-major (odd sizes).
-GEMV_INSTANCES = [("W_F16", 0, 1, "IN_RMSNORM", "OUT_STORE", 1, 4, 0, 1), ("W_F16", 0, 2, "IN_PLAIN", "OUT_ADD", 1, 2, 0, 1),
-                  ("W_Q4", 64, 2, "IN_RMSNORM", "OUT_SWIGLU", 1, 2, 0, 1), ("W_Q8", 32, 2, "IN_RMSNORM", "OUT_SWIGLU", 1, 2, 0, 1),
-                  ("W_Q8", 64, 2, "IN_PLAIN", "OUT_ADD", 1, 1, 0, 1), ("W_Q8", 128, 1, "IN_RMSNORM", "OUT_STORE", 1, 2, 0, 1),
-                  ("W_Q4", 32, 2, "IN_RMSNORM", "OUT_STORE", 1, 1, 0, 1), ("W_Q4", 64, 1, "IN_RMSNORM", "OUT_SWIGLU", 1, 4, 0, 1),
-                  ("W_Q4", 64, 2, "IN_PLAIN", "OUT_STORE", 1, 2, 0, 1), ("W_Q4", 128, 2, "IN_PLAIN", "OUT_ADD", 1, 2, 0, 1),
-                  ("W_Q4", 64, 1, "IN_PLAIN", "OUT_ADD", 2, 4, 0, 1), ("W_Q8", 64, 2, "IN_PLAIN", "OUT_ADD", 2, 2, 0, 1),
-                  ("W_F16", 0, 2, "IN_PLAIN", "OUT_STORE", 2, 1, 0, 1), ("W_Q4", 64, 1, "IN_RMSNORM", "OUT_STORE", 1, 1, 0, 1),
-                  ("W_Q4", 64, 1, "IN_PLAIN", "OUT_ADD", 1, 3, 0, 1), ("W_Q4", 64, 2, "IN_RMSNORM", "OUT_SWIGLU", 1, 1, 0, 1),
-                  ("W_Q8", 64, 1, "IN_PLAIN", "OUT_ADD", 2, 2, 0, 1), ("W_F16", 0, 1, "IN_RMSNORM", "OUT_SWIGLU", 1, 3, 0, 1),
-                  ("W_F16", 0, 1, "IN_PLAIN", "OUT_ADD", 2, 1, 0, 1), ("W_F16", 0, 1, "IN_PLAIN", "OUT_ADD", 1, 2, 0, 1),
-                  ("W_Q4", 64, 2, "IN_RMSNORM", "OUT_SWIGLU", 1, 2, 1, 1), ("W_Q4", 64, 2, "IN_RMSNORM", "OUT_SWIGLU", 1, 1, 1, 1),
-                  ("W_Q4", 64, 1, "IN_PLAIN", "OUT_ADD", 2, 4, 1, 1), ("W_Q8", 64, 2, "IN_PLAIN", "OUT_ADD", 2, 1, 1, 1),
-                  ("W_Q8", 64, 1, "IN_RMSNORM", "OUT_STORE", 1, 3, 1, 1), ("W_F16", 0, 1, "IN_RMSNORM", "OUT_SWIGLU", 1, 4, 1, 1),
-                  ("W_F16", 0, 2, "IN_PLAIN", "OUT_ADD", 2, 2, 1, 1), ("W_F16", 0, 1, "IN_PLAIN", "OUT_STORE", 1, 2, 1, 1),
-                  ("W_Q4", 64, 2, "IN_RMSNORM", "OUT_SWIGLU", 1, 2, 0, 0), ("W_Q4", 64, 1, "IN_PLAIN", "OUT_ADD", 2, 4, 1, 0),
-                  ("W_Q8", 64, 1, "IN_RMSNORM", "OUT_STORE", 1, 3, 1, 0), ("W_F16", 0, 2, "IN_PLAIN", "OUT_ADD", 2, 2, 1, 0)]
+# more), in the 8-row block layout the models use (kernels/layout.py) and some row-major (odd sizes),
+# and wide blocks (16 warps, launch bounds of 512 threads) of the tightest kinds.
+GEMV_INSTANCES = [("W_F16", 0, 1, "IN_RMSNORM", "OUT_STORE", 1, 4, 0, 1, 0), ("W_F16", 0, 2, "IN_PLAIN", "OUT_ADD", 1, 2, 0, 1, 0),
+                  ("W_Q4", 64, 2, "IN_RMSNORM", "OUT_SWIGLU", 1, 2, 0, 1, 0), ("W_Q8", 32, 2, "IN_RMSNORM", "OUT_SWIGLU", 1, 2, 0, 1, 0),
+                  ("W_Q8", 64, 2, "IN_PLAIN", "OUT_ADD", 1, 1, 0, 1, 0), ("W_Q8", 128, 1, "IN_RMSNORM", "OUT_STORE", 1, 2, 0, 1, 0),
+                  ("W_Q4", 32, 2, "IN_RMSNORM", "OUT_STORE", 1, 1, 0, 1, 0), ("W_Q4", 64, 1, "IN_RMSNORM", "OUT_SWIGLU", 1, 4, 0, 1, 0),
+                  ("W_Q4", 64, 2, "IN_PLAIN", "OUT_STORE", 1, 2, 0, 1, 0), ("W_Q4", 128, 2, "IN_PLAIN", "OUT_ADD", 1, 2, 0, 1, 0),
+                  ("W_Q4", 64, 1, "IN_PLAIN", "OUT_ADD", 2, 4, 0, 1, 0), ("W_Q8", 64, 2, "IN_PLAIN", "OUT_ADD", 2, 2, 0, 1, 0),
+                  ("W_F16", 0, 2, "IN_PLAIN", "OUT_STORE", 2, 1, 0, 1, 0), ("W_Q4", 64, 1, "IN_RMSNORM", "OUT_STORE", 1, 1, 0, 1, 0),
+                  ("W_Q4", 64, 1, "IN_PLAIN", "OUT_ADD", 1, 3, 0, 1, 0), ("W_Q4", 64, 2, "IN_RMSNORM", "OUT_SWIGLU", 1, 1, 0, 1, 0),
+                  ("W_Q8", 64, 1, "IN_PLAIN", "OUT_ADD", 2, 2, 0, 1, 0), ("W_F16", 0, 1, "IN_RMSNORM", "OUT_SWIGLU", 1, 3, 0, 1, 0),
+                  ("W_F16", 0, 1, "IN_PLAIN", "OUT_ADD", 2, 1, 0, 1, 0), ("W_F16", 0, 1, "IN_PLAIN", "OUT_ADD", 1, 2, 0, 1, 0),
+                  ("W_Q4", 64, 2, "IN_RMSNORM", "OUT_SWIGLU", 1, 2, 1, 1, 0), ("W_Q4", 64, 2, "IN_RMSNORM", "OUT_SWIGLU", 1, 1, 1, 1, 0),
+                  ("W_Q4", 64, 1, "IN_PLAIN", "OUT_ADD", 2, 4, 1, 1, 0), ("W_Q8", 64, 2, "IN_PLAIN", "OUT_ADD", 2, 1, 1, 1, 0),
+                  ("W_Q8", 64, 1, "IN_RMSNORM", "OUT_STORE", 1, 3, 1, 1, 0), ("W_F16", 0, 1, "IN_RMSNORM", "OUT_SWIGLU", 1, 4, 1, 1, 0),
+                  ("W_F16", 0, 2, "IN_PLAIN", "OUT_ADD", 2, 2, 1, 1, 0), ("W_F16", 0, 1, "IN_PLAIN", "OUT_STORE", 1, 2, 1, 1, 0),
+                  ("W_Q4", 64, 2, "IN_RMSNORM", "OUT_SWIGLU", 1, 2, 0, 0, 0), ("W_Q4", 64, 1, "IN_PLAIN", "OUT_ADD", 2, 4, 1, 0, 0),
+                  ("W_Q8", 64, 1, "IN_RMSNORM", "OUT_STORE", 1, 3, 1, 0, 0), ("W_F16", 0, 2, "IN_PLAIN", "OUT_ADD", 2, 2, 1, 0, 0),
+                  ("W_Q4", 64, 2, "IN_RMSNORM", "OUT_SWIGLU", 1, 1, 0, 1, 1), ("W_Q4", 64, 1, "IN_PLAIN", "OUT_ADD", 2, 4, 1, 1, 1),
+                  ("W_F16", 0, 2, "IN_RMSNORM", "OUT_STORE", 1, 2, 1, 1, 1), ("W_Q8", 64, 1, "IN_PLAIN", "OUT_ADD", 1, 2, 0, 1, 1)]
 
 
 def wrapper(name: str) -> str:
     """Source that includes `name` and instantiates its templates."""
     lines = [f'#include "{name}"']
     if name == "gemv.cu":
-        lines += [f"template __global__ void gemv<{e},{g},{r},{i},{o},{s},{d},{f},{b}>{GEMV_ARGS};"
-                  for e, g, r, i, o, s, d, f, b in GEMV_INSTANCES]
+        lines += [f"template __global__ void gemv<{e},{g},{r},{i},{o},{s},{d},{f},{b},{w}>{GEMV_ARGS};"
+                  for e, g, r, i, o, s, d, f, b, w in GEMV_INSTANCES]
     return "\n".join(lines) + "\n"
 
 
@@ -192,15 +195,15 @@ def nvrtc_and_headers():
 def test_kernel_compiles_with_nvrtc(name, cc):
     """What CuPy does at run time: NVRTC, our options, templates through name expressions."""
     from tinyinfer.kernels import build
-    from tinyinfer.kernels.gemv import CANDIDATES, STEP_DEPTHS, GemvConfig, GemvShape, name_expression
+    from tinyinfer.kernels.gemv import STEP_DEPTHS, WIDE_WARPS, GemvConfig, GemvShape, name_expression
 
     found = nvrtc_and_headers()
     if found is None:
         pytest.skip("NVRTC (cupy + nvidia-cuda-nvrtc) or the CUDA headers are not installed")
     nvrtc, include = found
     expressions = {
-        "gemv.cu": [name_expression(GemvShape(e, g, rows, 256, 256, i, o), GemvConfig(rt, 8, split, depth))
-                    for e, g in [("q4", 64), ("q8", 32), ("f16", 0)] for rt, _ in CANDIDATES[::2]
+        "gemv.cu": [name_expression(GemvShape(e, g, rows, 256, 256, i, o), GemvConfig(rt, warps, split, depth))
+                    for e, g in [("q4", 64), ("q8", 32), ("f16", 0)] for rt in (1, 2) for warps in (8, WIDE_WARPS)
                     for rows in (8, 9)       # in 8-row blocks and row-major
                     for depth in (min(STEP_DEPTHS[rt]), max(STEP_DEPTHS[rt]))
                     for i, o, split in [("rmsnorm", "store", 1), ("plain", "add", 1), ("rmsnorm", "swiglu", 1),
