@@ -118,8 +118,11 @@ def step_contest(chosen, times: dict):
     return (chosen, fastest) if fastest != chosen else None
 
 
-def confirm_in_step(best: dict, timings: dict, step_us, rounds: int = 2) -> tuple[dict, dict]:
-    """Settle each role's contest (step_contest) by the whole step's time, one role at a time.
+def confirm_in_step(best: dict, timings: dict, step_us, rounds: int = 1) -> tuple[dict, dict]:
+    """Settle each role's contest (step_contest) by the whole step's time, one role at a time, each
+    side timed `rounds` times, alternated (one round since the wide blocks' contests were added: on
+    one H200, two fresh Llama-2-7B q4 tunings with one round stepped as fast as two with two, and
+    took 0.15 s less of a first load; BENCHMARKS.md s16).
 
     best: role -> config picked from kernels timed alone; timings: role -> {config: us alone};
     step_us(tuning) -> GPU microseconds per decode step with that tuning. Returns (the choices,

@@ -339,13 +339,13 @@ def test_picks_timing_alone_cannot_settle_are_settled_in_the_whole_step():
 
     def step_us(tuning):
         contests.append(tuning)
-        current = ["wo", "w_gate_up", "w_down"][(len(contests) - 1) // 4]   # 2 configs x 2 rounds each
+        current = ["wo", "w_gate_up", "w_down"][(len(contests) - 1) // 2]   # 2 configs x 1 round each
         return step[(current, tuning[current])]
 
     chosen, held = autotune.confirm_in_step(best, timings, step_us)
     assert chosen == {"wqkv": C(1, 8), "wo": C(1, 8, 2), "w_gate_up": C(2, 8), "w_down": C(1, 8)}
     assert set(held) == {"wo", "w_gate_up", "w_down"} and held["w_down"] == {C(1, 8): 500.0, C(1, 8, 2): 505.0}
-    assert len(contests) == 12 and contests[-1]["w_gate_up"] == C(2, 8)    # later contests see earlier results
+    assert len(contests) == 6 and contests[-1]["w_gate_up"] == C(2, 8)     # later contests see earlier results
     # a challenger within the margin does not unseat the incumbent
     near = autotune.confirm_in_step({"wo": C(1, 8, 2)}, {"wo": timings["wo"]},
                                     lambda t: 499.0 if t["wo"].split == 2 else 500.0)[0]
