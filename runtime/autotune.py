@@ -118,6 +118,18 @@ def step_contest(chosen, times: dict):
     return (chosen, fastest) if fastest != chosen else None
 
 
+# A contest's loser is tried again (at other depths, then with its neighbour's depths) only while its
+# best step time is within this fraction of the fastest timed for its role. On one H200 the loser
+# that later won (TinyLlama q4's split-K down projection, s15) was 2.1% behind; R = 1 wide blocks on
+# TinyLlama q4's o projection were 9-14% behind at every depth (s16), and each try costs a step timing.
+RIVAL_NEAR = 0.05
+
+
+def near(us: float, times) -> bool:
+    """Whether a step time `us` is within RIVAL_NEAR of the fastest of `times`."""
+    return us <= min(times) * (1 + RIVAL_NEAR)
+
+
 def confirm_in_step(best: dict, timings: dict, step_us, rounds: int = 1) -> tuple[dict, dict]:
     """Settle each role's contest (step_contest) by the whole step's time, one role at a time, each
     side timed `rounds` times, alternated (one round since the wide blocks' contests were added: on

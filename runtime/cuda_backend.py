@@ -418,30 +418,34 @@ class CudaBackend(Backend):
         return best
 
     def depth_options(self, role: str, chosen: gemv_k.GemvConfig) -> list:
-        """The configurations the depth stage tries for a role: the chosen one and the loser of the
-        role's step contest (split-K or a wide block against neither, or R = 1 against R = 2), each at
-        every depth. The contest is held at the default depths, where TinyLlama q4's down projection split and
-        unsplit were within 1%, while at the depths chosen later split-K is 4% faster: decided at
-        the contest alone, one fresh tuning in five kept the slower set (H200, BENCHMARKS.md s12)."""
+        """The configurations the depth stage tries for a role: the chosen one and, unless it lost by
+        more than autotune.RIVAL_NEAR, the loser of the role's step contest (split-K or a wide block
+        against neither, or R = 1 against R = 2), each at every depth. The contest is held at the
+        default depths, where TinyLlama q4's down projection split and unsplit were within 1%, while
+        at the depths chosen later split-K is 4% faster: decided at the contest alone, one fresh
+        tuning in five kept the slower set (H200, BENCHMARKS.md s12)."""
         shape = self.shapes[role]
         options = gemv_k.depth_variants(shape, chosen)
-        for rival in self.step_contests.get(role, {}):
-            if rival != chosen:
+        contest = self.step_contests.get(role, {})
+        for rival, us in contest.items():
+            if rival != chosen and autotune.near(us, contest.values()):
                 options += [c for c in gemv_k.depth_variants(shape, rival) if c not in options]
         return options
 
     def neighbour_moves(self, best: dict) -> list:
         """Joint moves for autotune.moves_in_step: where a role's step contest had a rival (split-K
-        or a wide block against neither, R = 1 against R = 2), the rival at its fastest timed depth together with
-        each other depth of the GEMV after it in the step (the down projection is followed by the
-        next layer's wqkv), whose early blocks start beside its last ones. (H200: TinyLlama q4's
-        joint win was of that kind; the GEMV before it was tried too and never won, in 6 TinyLlama
-        and 3 Llama-2-7B q4 tunings.)"""
+        or a wide block against neither, R = 1 against R = 2) within autotune.RIVAL_NEAR of the
+        role's fastest step time, the rival at its fastest timed depth together with each other depth
+        of the GEMV after it in the step (the down projection is followed by the next layer's wqkv),
+        whose early blocks start beside its last ones. (H200: TinyLlama q4's joint win was of that
+        kind; the GEMV before it was tried too and never won, in 6 TinyLlama and 3 Llama-2-7B q4
+        tunings.)"""
         order = ["wqkv", "wo", "w_gate_up", "w_down"]
         moves = []
         for role, after in zip(order, order[1:] + order[:1]):
-            rivals = {c: us for c, us in self.step_contests.get(role, {}).items()
-                      if (c.split, c.row_tiles, c.warps) != (best[role].split, best[role].row_tiles, best[role].warps)}
+            timed = self.step_contests.get(role, {})
+            rivals = {c: us for c, us in timed.items() if autotune.near(us, timed.values())
+                      and (c.split, c.row_tiles, c.warps) != (best[role].split, best[role].row_tiles, best[role].warps)}
             if rivals:
                 rival = min(rivals, key=rivals.get)
                 moves += [{role: rival, after: c} for c in gemv_k.depth_variants(self.shapes[after], best[after])

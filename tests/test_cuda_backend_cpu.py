@@ -447,6 +447,12 @@ def test_the_step_contests_loser_stays_in_the_depth_stage():
     us = {C(1, 8): 505.0, C(1, 8, 2): 507.0, C(1, 8, 2, 2): 490.0}
     chosen, held = autotune.variants_in_step(best, {"w_down": options}, lambda t: us.get(t["w_down"], 510.0))
     assert chosen == {"w_down": C(1, 8, 2, 2)} and len(held["w_down"]) == 8
+    # a loser more than RIVAL_NEAR (5%) behind is not tried again: TinyLlama q4's o projection in R = 1
+    # wide blocks was 9-14% behind at every depth (H200)
+    fake.step_contests["wo"] = {C(1, 8, depth=1): 432.0, C(1, 16): 474.6}
+    assert CudaBackend.depth_options(fake, "wo", C(1, 8, depth=1)) == gemv_k.depth_variants(q4, C(1, 8, depth=1))
+    fake.step_contests["wo"][C(1, 16)] = 452.0                 # 4.6% behind: still tried
+    assert C(1, 16, depth=1) in CudaBackend.depth_options(fake, "wo", C(1, 8, depth=1))
 
 
 def test_the_tuner_runs_depth_grid_and_refill_stages_in_the_step(monkeypatch):
@@ -523,6 +529,9 @@ def test_a_contest_loser_is_tried_again_with_its_neighbours_depths():
     chosen, held = autotune.moves_in_step(best, moves, step_us)
     assert chosen == {**best, "w_down": split, "wqkv": C(1, 8, depth=2)} and len(held) == 3
     assert autotune.moves_in_step(best, moves, lambda tuning: 462.0)[0] == best     # no gain, no change
+    # a rival more than RIVAL_NEAR behind the role's fastest step time makes no moves
+    fake.step_contests = {"w_down": {best["w_down"]: 462.0, split: 486.0}}
+    assert CudaBackend.neighbour_moves(fake, best) == []
     assert autotune.moves_in_step(best, [], step_us) == (best, {})
 
 
