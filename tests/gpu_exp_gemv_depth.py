@@ -30,9 +30,10 @@ for label, rows, cols, inp, outp in SHAPES:
 x = cp.asarray(rng.standard_normal(2 * 11008).astype(np.float32))
 aux = cp.ones(11008, cp.float32)
 y = cp.zeros(32000, cp.float32)
-assert "__launch_bounds__(256, 2) gemv(" in SRC, "gemv.cu changed: update the sweep"
-for d1, d2, minb in VARIANTS:
-    src = SRC.replace("__launch_bounds__(256, 2) gemv(", f"__launch_bounds__(256, {minb}) gemv(")
+BOUNDS = "__launch_bounds__(WIDE ? 512 : 256, WIDE ? 1 : 2) gemv("
+assert BOUNDS in SRC, "gemv.cu changed: update the sweep"
+for d1, d2, minb in VARIANTS:     # (min blocks: of the 256-thread kernels; wide blocks keep one per SM)
+    src = SRC.replace(BOUNDS, f"__launch_bounds__(WIDE ? 512 : 256, WIDE ? 1 : {minb}) gemv(")
     depth = {1: d1, 2: d2}
     exprs = sorted({gemv_k.name_expression(s, gemv_k.GemvConfig(rt, depth=depth[rt])) for s, _, _ in data.values()
                     for rt in (1, 2)})
