@@ -215,6 +215,25 @@ TI_DEVICE void ldmatrix_x4_trans(u32& r0, u32& r1, u32& r2, u32& r3, const __hal
                  : "r"(address));
 }
 
+// Offsets in a matrix held in 8-row blocks (kernels/layout.py): byte b of row r of the values lies at
+// blocked_value_row(r, row_bytes) + blocked_value_column(b), scale j of row r (of `groups` per row)
+// at blocked_scale_row(r, groups) + 8 j. In two parts because the GEMV computes a row's part once for
+// all the pieces it loads from that row.
+template <typename T>
+TI_DEVICE T blocked_value_row(T r, T row_bytes) {
+    return (r & ~(T)7) * row_bytes + (r & 7) * 64;
+}
+
+template <typename T>
+TI_DEVICE T blocked_value_column(T byte) {
+    return (byte >> 6) * 512 + (byte & 63);
+}
+
+template <typename T>
+TI_DEVICE T blocked_scale_row(T r, T groups) {
+    return (r & ~(T)7) * groups + (r & 7);
+}
+
 // Embedding tables are read as stored: f32 (0), f16 (1) or bf16 (2).
 #define EMB_F32 0
 #define EMB_F16 1

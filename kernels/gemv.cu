@@ -427,7 +427,7 @@ __global__ void __launch_bounds__(WIDE ? 512 : 256, WIDE ? 1 : 2) gemv(
         for (int j = 0; j < NL; ++j) {
             const int kc = min(chunk * CW + j * 4 * KPL + t * KPL, kpad - KPL);
             const u32 byte = (u32)kc * BYTES_PER_K2 / 2;
-            col[j] = BLOCKED ? (byte >> 6) * 512u + (byte & 63u) : byte;
+            col[j] = BLOCKED ? blocked_value_column(byte) : byte;
             group[j] = WT == W_F16 ? 0u : (u32)kc / G * (BLOCKED ? 8u : 1u);
         }
 #pragma unroll
@@ -435,8 +435,8 @@ __global__ void __launch_bounds__(WIDE ? 512 : 256, WIDE ? 1 : 2) gemv(
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
                 const u32 r = min(tile_row<RT, OUT>(tile, rt, h, g, rows), rows - 1);
-                const u32 row = BLOCKED ? (r & ~7u) * row_bytes32 + (r & 7u) * 64u : r * row_bytes32;
-                const u32 srow = BLOCKED ? (r & ~7u) * (u32)ngroups + (r & 7u) : r * (u32)ngroups;
+                const u32 row = BLOCKED ? blocked_value_row(r, row_bytes32) : r * row_bytes32;
+                const u32 srow = BLOCKED ? blocked_scale_row(r, (u32)ngroups) : r * (u32)ngroups;
 #pragma unroll
                 for (int j = 0; j < NL; ++j) {
                     value_at[rt][h][j] = row + col[j];

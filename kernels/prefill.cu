@@ -69,10 +69,8 @@ __device__ __forceinline__ void dequant(const unsigned char* __restrict__ w, con
     const size_t n = (size_t)rows * per_row;
     for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
         const size_t r = i / per_row, piece = i % per_row, col0 = piece * COLS, byte = piece * 16;
-        const size_t block_row = r & ~(size_t)7, in_block = r & 7;
-        const size_t scale_at = blocked ? block_row * groups + col0 / group * 8 + in_block : r * groups + col0 / group;
-        const size_t value_at = blocked ? block_row * row_bytes + (byte >> 6) * 512 + in_block * 64 + (byte & 63)
-                                        : r * row_bytes + byte;
+        const size_t scale_at = blocked ? blocked_scale_row(r, groups) + col0 / group * 8 : r * groups + col0 / group;
+        const size_t value_at = blocked ? blocked_value_row(r, row_bytes) + blocked_value_column(byte) : r * row_bytes + byte;
         const float s = __half2float(scales[scale_at]);
         const uint4 packed = *reinterpret_cast<const uint4*>(w + value_at);
         const u32 words[4] = {packed.x, packed.y, packed.z, packed.w};
