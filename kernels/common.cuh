@@ -176,12 +176,12 @@ TI_DEVICE long long to_pending(float v) {
     return __float2ll_rn(v * PENDING_ONE);        // exact scaling by 2^32, one rounding to an integer
 }
 
-// v[i] += pending[i] for eight values (coherent: the previous kernel writes them; 16-byte aligned).
+// v[i] += pending[i] for eight values (16-byte aligned), after the PDL wait.
 TI_DEVICE void add_pending8(const long long* pending, float (&v)[8]) {
     const longlong2* p = reinterpret_cast<const longlong2*>(pending);
 #pragma unroll
     for (int q = 0; q < 4; ++q) {
-        const longlong2 a = __ldcg(p + q);
+        const longlong2 a = p[q];      // plain, as x: ld.global.cg made the readers cost twice as much (s17)
         v[2 * q] += pending_value(a.x);
         v[2 * q + 1] += pending_value(a.y);
     }
