@@ -119,7 +119,7 @@ def gemv_configs(choices, candidates: dict, mlp_candidates=()) -> dict | None:
     configs = {}
     if choices.get("mlp") is not None:
         choice = choices["mlp"]
-        fields = [choice.get("warps"), choice.get("depth")] if isinstance(choice, dict) else [None]
+        fields = [choice.get("warps"), choice.get("depth"), choice.get("row_tiles", 1)] if isinstance(choice, dict) else [None]
         if any(type(value) is not int for value in fields) or mlp.MlpConfig(*fields) not in mlp_candidates:
             return None
         configs["mlp"] = mlp.MlpConfig(*fields)

@@ -51,9 +51,10 @@ GEMV_INSTANCES = [("W_F16", 0, 1, "IN_RMSNORM", "OUT_STORE", 1, 4, 0, 1, 0), ("W
                   ("W_F16", 0, 2, "IN_RMSNORM_PENDING", "OUT_STORE", 1, 2, 1, 1, 1),
                   ("W_Q4", 64, 1, "IN_PLAIN", "OUT_ADD_PENDING", 2, 4, 1, 1, 0),
                   ("W_F16", 0, 2, "IN_PLAIN", "OUT_ADD_PENDING", 1, 2, 1, 1, 1)]
-# The fused MLP (mlp.cu: encoding, group, tiles, ring depth, wide): every encoding, the deepest ring
-# in both block widths.
-MLP_INSTANCES = [(e, g, 4, d, w) for e, g in [("W_F16", 0), ("W_Q8", 64), ("W_Q4", 64)] for d in (1, 4) for w in (0, 1)]
+# The fused MLP (mlp.cu: encoding, group, tiles, row tiles, ring depth, wide): every encoding, the
+# shallowest and deepest rings the tuner tries (mlp.CANDIDATES), both row tiles, and 16 warps.
+MLP_INSTANCES = [(e, g, 4, rt, d, w) for e, g in [("W_F16", 0), ("W_Q8", 64), ("W_Q4", 64)] for rt in (1, 2)
+                 for d in (1, {1: 4, 2: 2}[rt]) for w in (0, 1)]
 
 
 def wrapper(name: str) -> str:
@@ -63,7 +64,7 @@ def wrapper(name: str) -> str:
         lines += [f"template __global__ void gemv<{e},{g},{r},{i},{o},{s},{d},{f},{b},{w}>{GEMV_ARGS};"
                   for e, g, r, i, o, s, d, f, b, w in GEMV_INSTANCES]
     if name == "mlp.cu":
-        lines += [f"template __global__ void mlp<{e},{g},{t},{d},{w}>{MLP_ARGS};" for e, g, t, d, w in MLP_INSTANCES]
+        lines += [f"template __global__ void mlp<{e},{g},{t},{r},{d},{w}>{MLP_ARGS};" for e, g, t, r, d, w in MLP_INSTANCES]
     return "\n".join(lines) + "\n"
 
 

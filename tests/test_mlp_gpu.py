@@ -143,7 +143,7 @@ def test_decode_with_the_fused_mlp_matches_the_numpy_reference(shared_assets, tm
         backend = model.backend
         if backend.mlp_shape() is None:
             pytest.skip("the fused MLP needs thread-block clusters (compute capability 9.0)")
-        for config in (mlp_k.MlpConfig(8, 2), mlp_k.MlpConfig(16, 4)):
+        for config in (mlp_k.MlpConfig(8, 2), mlp_k.MlpConfig(8, 3, 2)):
             backend.use_tuning({**{r: c for r, c in backend.tuning.items() if r != "mlp"}, "mlp": config})
             gpu = backend.decode_forward(ids, 0)
             reference = NumpyBackend(open_tinf(path), max_context=24).forward(ids, 0)
