@@ -163,6 +163,30 @@ TI_DEVICE void load8_activation(const float* p, float (&v)[8]) {
     unpack8(load_activation4(p), load_activation4(p + 4), v);
 }
 
+// Pending sums (the fused MLP of mlp.cu): int64 fixed point with 32 fraction bits, which blocks add
+// to with integer atomics, so the total does not depend on their order (decoding stays bit-for-bit
+// repeatable, which float atomics would not). Range +-2^31, resolution 2^-32.
+#define PENDING_ONE 4294967296.0f   // 2^32
+
+TI_DEVICE float pending_value(long long v) {
+    return __ll2float_rn(v) * (1.0f / PENDING_ONE);
+}
+
+TI_DEVICE long long to_pending(float v) {
+    return __float2ll_rn(v * PENDING_ONE);        // exact scaling by 2^32, one rounding to an integer
+}
+
+// v[i] += pending[i] for eight values (16-byte aligned), after the PDL wait.
+TI_DEVICE void add_pending8(const long long* pending, float (&v)[8]) {
+    const longlong2* p = reinterpret_cast<const longlong2*>(pending);
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+        const longlong2 a = p[q];      // plain, as x: ld.global.cg made the readers cost twice as much (s17)
+        v[2 * q] += pending_value(a.x);
+        v[2 * q + 1] += pending_value(a.y);
+    }
+}
+
 // (a, b) = hi + lo in two fp16 pairs: hi the rounded pair, lo its rounding error. Products with both
 // (as mma operands, fp32 accumulation) are as exact as with the fp32 values.
 TI_DEVICE void split_half2(float a, float b, u32& hi, u32& lo) {

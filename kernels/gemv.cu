@@ -31,9 +31,11 @@
 
 #define IN_PLAIN 0     // x as is
 #define IN_RMSNORM 1   // rms_norm(x, aux, eps)
+#define IN_RMSNORM_PENDING 2   // rms_norm(x + pending, aux, eps): pending as in OUT_ADD_PENDING
 
 #define OUT_STORE 0    // y[row] = W x
 #define OUT_ADD 1      // y[row] += W x
+#define OUT_ADD_PENDING 3   // y[row] += pending[row] + W x; pending[row] = 0 (the fused MLP's sums, mlp.cu)
 #define OUT_SWIGLU 2   // W = [gate; up] (rows = 2F): y[i] = silu(gate_i x) * (up_i x), i < F
 
 #define NL 2           // 16-byte loads per lane per row per chunk
@@ -114,11 +116,16 @@ __device__ __forceinline__ float staged_factor(int i) {
 // Registers are the limit: the ring of weights loaded before the wait is live here, and larger
 // batches make the q4 kernels spill.
 template <int IN>
-__device__ __forceinline__ float stage_value(const float* __restrict__ x, const float* __restrict__ aux, int K, int k,
-                                             float scale) {
+__device__ __forceinline__ float input_at(const float* __restrict__ x, const long long* __restrict__ pending, int k) {
+    return IN == IN_RMSNORM_PENDING ? x[k] + pending_value(__ldcg(pending + k)) : x[k];
+}
+
+template <int IN>
+__device__ __forceinline__ float stage_value(const float* __restrict__ x, const long long* __restrict__ pending,
+                                             const float* __restrict__ aux, int K, int k, float scale) {
     if (k >= K) return 0.f;
     if (IN == IN_PLAIN) return x[k];
-    return x[k] * scale * aux[k];
+    return input_at<IN>(x, pending, k) * scale * aux[k];
 }
 
 // Eight floats (x or the norm weight) with plain loads, after the PDL wait.
@@ -126,12 +133,21 @@ __device__ __forceinline__ void load8(const float* p, float (&v)[8]) {
     unpack8(*reinterpret_cast<const float4*>(p), *reinterpret_cast<const float4*>(p + 4), v);
 }
 
+// x[k .. k+7], plus the pending sums with IN_RMSNORM_PENDING (coherent loads in the same round trip).
+template <int IN>
+__device__ __forceinline__ void load8_input(const float* __restrict__ x, const long long* __restrict__ pending, int k,
+                                            float (&v)[8], bool coherent = false) {
+    if (coherent) load8_activation(x + k, v);
+    else load8(x + k, v);
+    if (IN == IN_RMSNORM_PENDING) add_pending8(pending + k, v);
+}
+
 
 // RMSNorm inputs of two groups of 8 per thread stage through stage_normed_early; the rest through
 // stage_input.
 template <int IN>
 __device__ __forceinline__ bool norm_two_groups(int K) {
-    return IN == IN_RMSNORM && (K & 7) == 0 && K > 8 * (int)blockDim.x && K <= 16 * (int)blockDim.x;
+    return IN != IN_PLAIN && (K & 7) == 0 && K > 8 * (int)blockDim.x && K <= 16 * (int)blockDim.x;
 }
 
 // Before the PDL wait: start copying the norm weight [K] into the staging area (16-byte pieces).
@@ -144,14 +160,14 @@ __device__ __forceinline__ void prefetch_norm_weight(float* area, const float* _
 // of a warp calls this together (the section sums shuffle across lanes).
 template <int WT, int IN>
 __device__ __forceinline__ void stage_group(__half* xs, __half* xs_lo, float* corr, const float* __restrict__ x,
-                                            const float* __restrict__ aux, int K, int b, int full, int groups,
-                                            float scale, const float (&value)[8]) {
+                                            const long long* __restrict__ pending, const float* __restrict__ aux,
+                                            int K, int b, int full, int groups, float scale, const float (&value)[8]) {
     constexpr int GROUPS_PER_SECTION = Weights<WT>::KPL / 8;
     float out[8], bias_sum = 0.f;
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
         float v = value[i];
-        if (b >= full) v = b < groups ? stage_value<IN>(x, aux, K, b * 8 + i, scale) : 0.f;
+        if (b >= full) v = b < groups ? stage_value<IN>(x, pending, aux, K, b * 8 + i, scale) : 0.f;
         bias_sum += weight_bias<WT>(i) * v;
         out[staged_slot<WT>(i)] = v * staged_factor<WT>(i);
     }
@@ -169,20 +185,20 @@ __device__ __forceinline__ void stage_group(__half* xs, __half* xs_lo, float* co
 }
 
 // Groups [first, groups) of an RMSNorm input whose x groups all lie before `first`: zero padding.
-template <int WT>
+template <int WT, int IN>
 __device__ __forceinline__ void stage_padding(__half* xs, __half* xs_lo, float* corr, const float* __restrict__ x,
-                                              const float* __restrict__ aux, int K, int first, int full, int groups,
-                                              float scale) {
+                                              const long long* __restrict__ pending, const float* __restrict__ aux,
+                                              int K, int first, int full, int groups, float scale) {
     const float zeros[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
     for (int base = first; base < groups; base += blockDim.x)       // uniform across the block
-        stage_group<WT, IN_RMSNORM>(xs, xs_lo, corr, x, aux, K, base + (int)threadIdx.x, full, groups, scale, zeros);
+        stage_group<WT, IN>(xs, xs_lo, corr, x, pending, aux, K, base + (int)threadIdx.x, full, groups, scale, zeros);
 }
 
 // RMSNorm with the norm weight already in shared memory (norm_two_groups): one round trip for x.
-template <int WT>
+template <int WT, int IN>
 __device__ __forceinline__ void stage_normed_early(__half* xs, __half* xs_lo, float* corr, const float* __restrict__ x,
-                                                   const float* __restrict__ aux, int K, int groups, float eps,
-                                                   float* scratch) {
+                                                   const long long* __restrict__ pending, const float* __restrict__ aux,
+                                                   int K, int groups, float eps, float* scratch) {
     const int threads = blockDim.x, full = K >> 3;
     const float* w_s = reinterpret_cast<const float*>(xs);      // the weight, until the writes below
     float v[2][8] = {};
@@ -190,7 +206,7 @@ __device__ __forceinline__ void stage_normed_early(__half* xs, __half* xs_lo, fl
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
         const int b = i * threads + (int)threadIdx.x;
-        if (b < full) load8_activation(x + 8 * b, v[i]);   // coherent: see load_activation4
+        if (b < full) load8_input<IN>(x, pending, 8 * b, v[i], true);   // coherent: see load_activation4
     }
     TI_TOUCH(__float_as_uint(v[0][0]));
     TI_MARK(2);                                                 // x has landed (thread 0)
@@ -216,21 +232,21 @@ __device__ __forceinline__ void stage_normed_early(__half* xs, __half* xs_lo, fl
     for (int i = 0; i < 2; ++i) {
 #pragma unroll
         for (int e = 0; e < 8; ++e) v[i][e] *= scale;
-        stage_group<WT, IN_RMSNORM>(xs, xs_lo, corr, x, aux, K, i * threads + (int)threadIdx.x, full, groups, scale,
-                                    v[i]);
+        stage_group<WT, IN>(xs, xs_lo, corr, x, pending, aux, K, i * threads + (int)threadIdx.x, full, groups, scale,
+                            v[i]);
     }
-    stage_padding<WT>(xs, xs_lo, corr, x, aux, K, 2 * threads, full, groups, scale);
+    stage_padding<WT, IN>(xs, xs_lo, corr, x, pending, aux, K, 2 * threads, full, groups, scale);
 }
 
 // Groups [first, kc / 8) of x, i.e. columns [8 first, kc); first > 0 (a block of a split-K cluster
 // staging its part) only for plain inputs, whose groups are independent.
 template <int WT, int IN>
 __device__ __forceinline__ void stage_input(__half* xs, __half* xs_lo, float* corr, const float* __restrict__ x,
-                                            const float* __restrict__ aux, int K, int first, int kc, float eps,
-                                            float* scratch) {
+                                            const long long* __restrict__ pending, const float* __restrict__ aux,
+                                            int K, int first, int kc, float eps, float* scratch) {
     // Groups per thread per round trip: x and the norm weight of one group, or x of two. More
     // makes the q4 kernels spill (the ring of weights in flight is live here).
-    constexpr int BATCH = IN == IN_RMSNORM ? 1 : 2;
+    constexpr int BATCH = IN != IN_PLAIN ? 1 : 2;
     const bool vector = (K & 7) == 0;          // whole, 16-byte aligned groups of 8 (buffers are aligned)
     const int groups = kc >> 3, full = vector ? (K >> 3) : 0;
     const int threads = blockDim.x, per_round = BATCH * threads;
@@ -241,16 +257,19 @@ __device__ __forceinline__ void stage_input(__half* xs, __half* xs_lo, float* co
         for (int i = 0; i < BATCH; ++i) {
             const int b = base + i * threads + (int)threadIdx.x;
             if (b < full) {
-                load8(x + 8 * b, v[i]);
-                if (IN == IN_RMSNORM) load8(aux + 8 * b, w[i]);
+                load8_input<IN>(x, pending, 8 * b, v[i]);
+                if (IN != IN_PLAIN) load8(aux + 8 * b, w[i]);
             }
         }
     };
     float scale = 1.f;
-    if (IN == IN_RMSNORM) {
+    if (IN != IN_PLAIN) {
         float ss = 0.f;
         if (!vector) {
-            for (int k = threadIdx.x; k < K; k += threads) ss += x[k] * x[k];
+            for (int k = threadIdx.x; k < K; k += threads) {
+                const float xk = input_at<IN>(x, pending, k);
+                ss += xk * xk;
+            }
         } else if (one_round) {                // the registers loaded here are converted below
             load_batch(0);
             TI_TOUCH(__float_as_uint(v[0][0]));
@@ -264,8 +283,8 @@ __device__ __forceinline__ void stage_input(__half* xs, __half* xs_lo, float* co
             for (int b = threadIdx.x; b < full; b += 2 * threads) {
                 float a[8], c[8];
                 const bool second = b + threads < full;
-                load8(x + 8 * b, a);
-                if (second) load8(x + 8 * (b + threads), c);
+                load8_input<IN>(x, pending, 8 * b, a);
+                if (second) load8_input<IN>(x, pending, 8 * (b + threads), c);
 #pragma unroll
                 for (int e = 0; e < 8; ++e) ss += a[e] * a[e] + (second ? c[e] * c[e] : 0.f);
             }
@@ -274,7 +293,7 @@ __device__ __forceinline__ void stage_input(__half* xs, __half* xs_lo, float* co
         scale = rsqrtf(ss / (float)K + eps);
     }
     for (int base = first; base < groups; base += per_round) {
-        if (!(IN == IN_RMSNORM && vector && one_round)) load_batch(base);
+        if (!(IN != IN_PLAIN && vector && one_round)) load_batch(base);
         if (base == first && IN == IN_PLAIN) {
             TI_TOUCH(__float_as_uint(v[0][0]));
             TI_MARK(2);                        // x has landed (thread 0)
@@ -284,7 +303,7 @@ __device__ __forceinline__ void stage_input(__half* xs, __half* xs_lo, float* co
             float value[8];
 #pragma unroll
             for (int e = 0; e < 8; ++e) value[e] = IN == IN_PLAIN ? v[i][e] : v[i][e] * scale * w[i][e];
-            stage_group<WT, IN>(xs, xs_lo, corr, x, aux, K, base + i * threads + (int)threadIdx.x, full, groups,
+            stage_group<WT, IN>(xs, xs_lo, corr, x, pending, aux, K, base + i * threads + (int)threadIdx.x, full, groups,
                                 scale, value);
         }
     }
@@ -320,6 +339,14 @@ __device__ __forceinline__ int tile_row(int tile, int rt, int h, int g, int rows
 template <int RT, int OUT>
 __device__ __forceinline__ int tile_outputs() {
     return OUT == OUT_SWIGLU ? 8 * RT : 16 * RT;
+}
+
+// The residual y[o] that OUT_ADD(_PENDING) adds to: with OUT_ADD_PENDING, the fused MLP's pending sum
+// is folded in (and cleared by the thread that stores y[o]).
+template <int OUT>
+__device__ __forceinline__ float residual_at(const float* y, const long long* pending, int o) {
+    const float r = __ldcg(y + o);
+    return OUT == OUT_ADD_PENDING ? r + pending_value(__ldcg(pending + o)) : r;
 }
 
 // Persistent blocks: the grid is sized to what stays resident on the GPU, each block stages x once
@@ -366,9 +393,10 @@ __global__ void __launch_bounds__(WIDE ? 512 : 256, WIDE ? 1 : 2) gemv(
     const __half* __restrict__ scales,       // q8/q4: [rows][kpad/G] or BLOCKED; f16: unused
     int rows, int kpad, int K,               // K: logical input length (x has K valid values)
     const float* __restrict__ x,             // input [K]
-    const float* __restrict__ aux,           // IN_RMSNORM: norm weight [K]
+    const float* __restrict__ aux,           // IN_RMSNORM(_PENDING): norm weight [K]
     float eps,
-    float* __restrict__ y)                   // output [rows] (OUT_SWIGLU: [rows / 2])
+    float* __restrict__ y,                   // output [rows] (OUT_SWIGLU: [rows / 2])
+    long long* __restrict__ pending)         // IN_RMSNORM_PENDING: [K]; OUT_ADD_PENDING: [rows]; else unused
 {
     constexpr int KPL = Weights<WT>::KPL;
     constexpr int CW = NL * 4 * KPL;                          // k per chunk
@@ -531,7 +559,8 @@ __global__ void __launch_bounds__(WIDE ? 512 : 256, WIDE ? 1 : 2) gemv(
     // the input's staging, instead of by a dependent round trip in the epilogue (thread i holds
     // output i of the tile; the model's shapes give every block at most one tile).
     const int first_out = cluster_of_block<SPLIT>() * tile_outputs<RT, OUT>() + (int)threadIdx.x;
-    const bool holds_residual = OUT == OUT_ADD && rank == 0 && my_tiles > 0 &&
+    constexpr bool ADDS = OUT == OUT_ADD || OUT == OUT_ADD_PENDING;
+    const bool holds_residual = ADDS && rank == 0 && my_tiles > 0 &&
                                 (int)threadIdx.x < tile_outputs<RT, OUT>() && first_out < outputs;
     float residual = 0.f;
     int next_ti = 0, next_k = 0;       // the next item to load: tile index ti, chunk index k
@@ -554,8 +583,8 @@ __global__ void __launch_bounds__(WIDE ? 512 : 256, WIDE ? 1 : 2) gemv(
         prefetch_norm_weight(reinterpret_cast<float*>(xs), aux, K);
         pdl_wait();
         TI_MARK(1);
-        if (holds_residual) residual = __ldcg(y + first_out);
-        stage_normed_early<WT>(xs, xs_lo, corr, x, aux, K, nchunks * CW / 8, eps, red);
+        if (holds_residual) residual = residual_at<OUT>(y, pending, first_out);
+        stage_normed_early<WT, IN>(xs, xs_lo, corr, x, pending, aux, K, nchunks * CW / 8, eps, red);
         if (DEPTH - 1 < n_items) load_next(DEPTH - 1);
     } else {
 #pragma unroll
@@ -563,8 +592,8 @@ __global__ void __launch_bounds__(WIDE ? 512 : 256, WIDE ? 1 : 2) gemv(
             if (b < n_items) load_next(b);
         pdl_wait();
         TI_MARK(1);
-        if (holds_residual) residual = __ldcg(y + first_out);
-        stage_input<WT, IN>(xs, xs_lo, corr, x, aux, K, chunk0 * CW / 8, chunk_end * CW, eps, red);
+        if (holds_residual) residual = residual_at<OUT>(y, pending, first_out);
+        stage_input<WT, IN>(xs, xs_lo, corr, x, pending, aux, K, chunk0 * CW / 8, chunk_end * CW, eps, red);
     }
     __syncthreads();
     TI_MARK(3);                        // input staged
@@ -636,7 +665,11 @@ __global__ void __launch_bounds__(WIDE ? 512 : 256, WIDE ? 1 : 2) gemv(
                 if (OUT == OUT_SWIGLU) up += part[wi * 16 * RT + slot + 8];
             }
             if (SPLIT > 1) total += peer_tile[i];
-            if (OUT == OUT_ADD) y[out0 + i] = (ti == 0 && i == (int)threadIdx.x ? residual : __ldcg(y + out0 + i)) + total;
+            if (ADDS) {
+                const int o = out0 + i;
+                y[o] = (ti == 0 && i == (int)threadIdx.x ? residual : residual_at<OUT>(y, pending, o)) + total;
+                if (OUT == OUT_ADD_PENDING) pending[o] = 0;      // folded into y
+            }
             else if (OUT == OUT_SWIGLU) y[out0 + i] = total / (1.f + __expf(-total)) * up;
             else y[out0 + i] = total;
         }

@@ -20,8 +20,8 @@ from tinyinfer.kernels.build import Launch, module
 from tinyinfer.kernels.layout import can_block, row_bytes
 
 ENCODING_ID = {"f16": 0, "q8": 1, "q4": 2}
-INPUT_ID = {"plain": 0, "rmsnorm": 1}
-OUTPUT_ID = {"store": 0, "add": 1, "swiglu": 2}
+INPUT_ID = {"plain": 0, "rmsnorm": 1, "rmsnorm_pending": 2}
+OUTPUT_ID = {"store": 0, "add": 1, "swiglu": 2, "add_pending": 3}
 CHUNK_K = {"f16": 64, "q8": 128, "q4": 256}   # columns per chunk: NL(2) * 4 lanes * 16 bytes
 SUPPORTED = tuple(ENCODING_ID)
 CANDIDATES = tuple((rt, warps) for rt in (1, 2) for warps in (4, 8, 16))
@@ -239,9 +239,11 @@ def grid_units(tiles: int, resident_units: int, balanced: bool) -> int:
 
 
 def make_gemv(mod, shape: GemvShape, config: GemvConfig, weight, x, y, aux=None, eps: float = 0.0,
-              name: str = "gemv") -> Launch:
+              name: str = "gemv", pending=None) -> Launch:
     """Launch computing y (+)= g(W f(x)). weight: CuPy uint8 array holding the tensor's bytes as
-    stored, rearranged by layout.block_in_place when shape.blocked.
+    stored, rearranged by layout.block_in_place when shape.blocked. pending: the fused MLP's int64
+    sums (kernels/mlp.py), which the rmsnorm_pending input adds to x and the add_pending output
+    folds into y and clears.
 
     The grid is persistent: as many blocks as stay resident (at most one per row tile, or one
     cluster of `split` blocks per row tile; grid_units)."""
@@ -258,8 +260,11 @@ def make_gemv(mod, shape: GemvShape, config: GemvConfig, weight, x, y, aux=None,
     tiles = -(-output_rows(shape) // (tile_outputs(shape) * config.row_tiles))
     shared = shared_bytes(shape, config)
     per_sm, sms = resident_blocks(kernel, 32 * config.warps, shared)
+    if (pending is None) != (shape.input != "rmsnorm_pending" and shape.output != "add_pending"):
+        raise ValueError(f"{shape.key}: pending sums are passed exactly when the GEMV reads them")
     args = (np.uint64(w_ptr), np.uint64(scale_ptr), np.int32(shape.rows), np.int32(shape.cols_pad),
-            np.int32(shape.cols), x, aux if aux is not None else np.uint64(0), np.float32(eps), y)
+            np.int32(shape.cols), x, aux if aux is not None else np.uint64(0), np.float32(eps), y,
+            pending if pending is not None else np.uint64(0))
     units = grid_units(tiles, per_sm * sms // config.split, config.balanced)
     return Launch(name, kernel, (units * config.split,), (32 * config.warps,), args, shared,
                   bytes_read=shape.weight_bytes, waits=True, cluster=config.split)
@@ -267,12 +272,13 @@ def make_gemv(mod, shape: GemvShape, config: GemvConfig, weight, x, y, aux=None,
 
 def gemv_reference(tensor, x: np.ndarray, input: str = "plain", aux=None, eps: float = 0.0,
                    residual: np.ndarray | None = None, output: str = "store") -> np.ndarray:
-    """What the kernel computes, from runtime.reference: y = W f(x) (+ residual, or swiglu), float32."""
+    """What the kernel computes, from runtime.reference: y = W f(x) (+ residual, or swiglu), float32.
+    For the pending variants, x and residual are given with the pending sums already added."""
     from tinyinfer.runtime import reference as ref
 
     k = tensor.cols
     x = np.asarray(x, dtype=np.float32)
-    h = ref.rms_norm(x[:k], aux[:k], eps) if input == "rmsnorm" else x[:k]
+    h = ref.rms_norm(x[:k], aux[:k], eps) if input.startswith("rmsnorm") else x[:k]
     y = ref.linear(h[None, :], tensor.to_float32())[0]
     if output == "swiglu":
         return ref.swiglu(y)

@@ -204,6 +204,9 @@ def kernel_table(backend, context: int, peak_gbs: float) -> list[dict]:
             if name.startswith("gemv"):
                 s = backend.shapes[name.split()[1]]
                 shape = f"{s.rows}x{s.cols} {s.encoding}" + (f" g{s.group}" if s.group else "")
+            elif name.startswith("mlp"):
+                gu, down = backend.shapes["w_gate_up"], backend.shapes["w_down"]
+                shape = f"{gu.rows}x{gu.cols} + {down.rows}x{down.cols} {gu.encoding}" + (f" g{gu.group}" if gu.group else "")
             elif name.startswith("attention"):
                 shape = f"{backend.n_heads}/{backend.n_kv} heads x {backend.head_dim}, ctx {context}"
             gbs = bytes_read / us / 1e3 if bytes_read else 0.0
@@ -216,7 +219,8 @@ def kernel_table(backend, context: int, peak_gbs: float) -> list[dict]:
 
 
 def weight_bytes_per_token(backend) -> int:
-    return sum(launch.bytes_read for launch in backend.step if launch.name.startswith("gemv")) + backend.embed.bytes_read
+    linears = [launch for launch in backend.step if launch.name.startswith(("gemv", "mlp"))]
+    return sum(launch.bytes_read for launch in linears) + backend.embed.bytes_read
 
 
 def run_bench(model, n_tokens: int = 256, prompt_len: int = 16, reps: int = 3, json_path=None) -> dict:

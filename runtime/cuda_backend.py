@@ -10,7 +10,9 @@ A decode step is a fixed sequence of kernel launches over buffers allocated once
                 down GEMV (+= residual) ]
     -> output GEMV (final RMSNorm fused) -> sampler (picks the token, embeds it into x)
 
-5 kernels per layer + 2. The position, the current token and the step index live in a small device
+5 kernels per layer + 2, or 4 where the tuner fuses the MLP (gate/up and down in one kernel of
+thread-block clusters, kernels/mlp.cu, Hopper): its sums then go to an int64 `pending` vector that
+the next qkv GEMV reads with x, the o projection folds into x and the output head reads with x. The position, the current token and the step index live in a small device
 array that the kernels read and the sampler advances, so the whole step is captured once as a CUDA
 graph and replayed with no host work in between: the host launches several steps ahead and only
 reads tokens back. Tokens the host feeds (prompts, forward()) are embedded by a separate launch.
@@ -31,6 +33,7 @@ from tinyinfer.kernels import build
 from tinyinfer.kernels import gemv as gemv_k
 from tinyinfer.kernels import layout
 from tinyinfer.kernels import misc as misc_k
+from tinyinfer.kernels import mlp as mlp_k
 from tinyinfer.kernels import sampling as sample_k
 from tinyinfer.runtime import autotune, cuda_prefill, tune_in_file
 from tinyinfer.runtime import reference as ref
@@ -195,6 +198,7 @@ class CudaBackend(Backend):
         self.qkv = cp.zeros((self.n_heads + 2 * self.n_kv) * hd, dtype=cp.float32)
         self.attn = cp.zeros(self.n_heads * hd, dtype=cp.float32)
         self.ffn_hidden = cp.zeros(self.ffn, dtype=cp.float32)     # silu(gate) * up
+        self.pending = cp.zeros(self.dim, dtype=cp.int64)           # the fused MLP's sums (kernels/mlp.py)
         self.logits = cp.zeros(self.vocab, dtype=cp.float32)
         self.k_cache = cp.zeros((self.n_layers, ctx, self.n_kv, hd), dtype=cp.float16)
         self.v_cache = cp.zeros((self.n_layers, ctx, self.n_kv, hd), dtype=cp.float16)
@@ -224,6 +228,11 @@ class CudaBackend(Backend):
             "w_down": gemv_k.shape_of(info("layers.0.w_down"), "plain", "add"),
             "output": gemv_k.shape_of(info("output"), "rmsnorm", "store"),
         }
+
+    def mlp_shape(self):
+        """The fused MLP's shape, or None where mlp.cu cannot run this model on this GPU."""
+        shape = mlp_k.MlpShape(self.shapes["w_gate_up"], self.shapes["w_down"])
+        return shape if mlp_k.can_fuse(shape, self.compute_capability) else None
 
     def layer_shape(self, role: str, layer: int):
         """Every layer must match layer 0 (one tuned config per role)."""
@@ -270,13 +279,26 @@ class CudaBackend(Backend):
             self.launch_cache[key] = make()
         return self.launch_cache[key]
 
-    def gemv_launch(self, role: str, layer: int, config: gemv_k.GemvConfig):
-        return self.cached_launch(("gemv", role, layer, config), lambda: self.make_gemv_launch(role, layer, config))
+    def gemv_launch(self, role: str, layer: int, config: gemv_k.GemvConfig, pending: bool = False):
+        """pending: the variant that reads the fused MLP's pending sums (wqkv, wo and output only)."""
+        return self.cached_launch(("gemv", role, layer, config, pending),
+                                  lambda: self.make_gemv_launch(role, layer, config, pending))
 
-    def make_gemv_launch(self, role: str, layer: int, config: gemv_k.GemvConfig):
+    def pending_shape(self, role: str) -> gemv_k.GemvShape:
+        shape = self.shapes[role]
+        if role == "wo":
+            return replace(shape, output="add_pending")
+        if role in ("wqkv", "output"):
+            return replace(shape, input="rmsnorm_pending")
+        raise ValueError(f"the {role} GEMV does not read the pending sums")
+
+    def make_gemv_launch(self, role: str, layer: int, config: gemv_k.GemvConfig, pending: bool = False):
         eps = float(self.config["norm_eps"])
         name = self.layer_shape(role, layer)
-        shape = self.shapes[role]
+        shape = self.pending_shape(role) if pending else self.shapes[role]
+        module = self.gemv_module
+        if pending:     # built on first use: only a fused step reads the pending sums
+            module = gemv_k.GemvModules([(shape, config)], self.compute_capability)
         if role == "wqkv":
             x, y, aux = self.x, self.qkv, self.f32_view(f"layers.{layer}.attn_norm")
         elif role == "wo":
@@ -287,8 +309,14 @@ class CudaBackend(Backend):
             x, y, aux = self.ffn_hidden, self.x, None
         else:
             x, y, aux = self.x, self.logits, self.f32_view("norm")
-        return gemv_k.make_gemv(self.gemv_module, shape, config, self.view(name), x, y, aux, eps,
-                                name=f"gemv {role}")
+        return gemv_k.make_gemv(module, shape, config, self.view(name), x, y, aux, eps, name=f"gemv {role}",
+                                pending=self.pending if pending else None)
+
+    def mlp_launch(self, layer: int, config: mlp_k.MlpConfig):
+        return self.cached_launch(("mlp", layer, config), lambda: mlp_k.make_mlp(
+            mlp_k.compile_mlp(self.mlp_shape(), config, self.compute_capability), self.mlp_shape(), config,
+            self.view(self.layer_shape("w_gate_up", layer)), self.view(self.layer_shape("w_down", layer)), self.x,
+            self.f32_view(f"layers.{layer}.ffn_norm"), float(self.config["norm_eps"]), self.pending))
 
     def attention_launch(self, layer: int):
         return self.cached_launch(("attention", layer), lambda: self.make_attention_launch(layer))
@@ -305,27 +333,32 @@ class CudaBackend(Backend):
         info = self.tinf.info("tok_embeddings")
         cols_pad = padded_cols(info.encoding, self.dim, None)
         return misc_k.make_embed(self.misc_module, self.view("tok_embeddings"), info.encoding, cols_pad, self.dim,
-                                 self.state, self.x)
+                                 self.state, self.x, self.pending)
 
     def sampler_launch(self):
         info = self.tinf.info("tok_embeddings")
         return sample_k.make_sampler(self.sample_module, self.vocab, self.logits, self.params, self.uniforms,
                                      self.seen, self.sample_scratch, self.state, self.out_tokens,
                                      self.view("tok_embeddings"), info.encoding,
-                                     padded_cols(info.encoding, self.dim, None), self.x)
+                                     padded_cols(info.encoding, self.dim, None), self.x, self.pending)
 
     def build_step(self, tuning: dict) -> list:
         """One token: the layers, the output head and the sampler (which also embeds the token it
-        picks, so x is ready for the next replay). Tokens fed by the host go through self.embed."""
+        picks, so x is ready for the next replay). Tokens fed by the host go through self.embed.
+        tuning: role -> GemvConfig, and "mlp" -> MlpConfig where the MLP is fused."""
         self.embed = self.embed_launch()
+        fused = tuning.get("mlp")
         step = []
         for layer in range(self.n_layers):
-            step.append(self.gemv_launch("wqkv", layer, tuning["wqkv"]))
+            step.append(self.gemv_launch("wqkv", layer, tuning["wqkv"], pending=fused is not None))
             step.append(self.attention_launch(layer))
-            step.append(self.gemv_launch("wo", layer, tuning["wo"]))
-            step.append(self.gemv_launch("w_gate_up", layer, tuning["w_gate_up"]))
-            step.append(self.gemv_launch("w_down", layer, tuning["w_down"]))
-        step.append(self.gemv_launch("output", 0, tuning["output"]))
+            step.append(self.gemv_launch("wo", layer, tuning["wo"], pending=fused is not None))
+            if fused is not None:
+                step.append(self.mlp_launch(layer, fused))
+            else:
+                step.append(self.gemv_launch("w_gate_up", layer, tuning["w_gate_up"]))
+                step.append(self.gemv_launch("w_down", layer, tuning["w_down"]))
+        step.append(self.gemv_launch("output", 0, tuning["output"], pending=fused is not None))
         step.append(self.sampler_launch())
         return step
 
@@ -371,13 +404,14 @@ class CudaBackend(Backend):
         self.step_contests = {}      # role -> {config: us per decode step}, where timing alone was not enough
         # Choices shipped in the file for exactly this GPU and kernel build come first (HUB.md).
         allowed = {role: gemv_k.all_configs(shape, self.compute_capability) for role, shape in self.shapes.items()}
-        shipped, message = tune_in_file.shipped_gemv_configs(self.tinf, tune_in_file.backend_key(self), allowed)
+        shipped, message = tune_in_file.shipped_gemv_configs(self.tinf, tune_in_file.backend_key(self), allowed,
+                                                             self.mlp_candidates())
         self.log(message)
         if shipped is not None:
             self.tuning_source, self.tuning_times = "file", {}
             return shipped
         key = autotune.cache_key(self.tinf, self.gpu_name, self.compute_capability, build.source_hash())
-        cached = tune_in_file.gemv_configs(autotune.load_cached(key), allowed)
+        cached = tune_in_file.gemv_configs(autotune.load_cached(key), allowed, self.mlp_candidates())
         roles = list(self.shapes)
         if cached is not None:
             self.tuning_source = "cache"
@@ -411,11 +445,32 @@ class CudaBackend(Backend):
         # role in wide blocks at once.
         moves = self.neighbour_moves(best) + self.wide_moves(best)
         best, self.joint_moves = autotune.moves_in_step(best, moves, self.step_us)
+        best = self.fusion_contest(best)
         self.tuning_source = "measured"
-        autotune.save_cached(key, {role: best[role].as_dict() for role in roles},
+        autotune.save_cached(key, {role: config.as_dict() for role, config in best.items()},
                              {"gpu": self.gpu_name, "compute_capability": self.compute_capability,
                               "file": str(self.tinf.path), "shapes": {r: self.shapes[r].key for r in roles}})
         return best
+
+    def mlp_candidates(self) -> list:
+        """The fused MLP's configurations the tuner tries (none where it cannot run)."""
+        return list(mlp_k.CANDIDATES) if self.mlp_shape() is not None else []
+
+    def fusion_contest(self, best: dict) -> dict:
+        """The tuned GEMVs against each fused-MLP configuration with them, in the whole step (the
+        contest goes to step_contests["mlp"]; None stands for the two GEMVs)."""
+        candidates = self.mlp_candidates()
+        if not candidates:
+            return best
+        cc, shape = self.compute_capability, self.mlp_shape()
+        pending = [(self.pending_shape(role), best[role]) for role in ("wqkv", "wo", "output")]
+        build.compile_all([mlp_k.compile_mlp(shape, c, cc) for c in candidates]
+                          + gemv_k.GemvModules(pending, cc).modules)
+        times = {None: self.step_us(best)}
+        times.update({config: self.step_us({**best, "mlp": config}) for config in candidates})
+        self.step_contests["mlp"] = times
+        chosen = min(times, key=times.get)
+        return best if chosen is None else {**best, "mlp": chosen}
 
     def depth_options(self, role: str, chosen: gemv_k.GemvConfig) -> list:
         """The configurations the depth stage tries for a role: the chosen one and, unless it lost by
@@ -513,6 +568,9 @@ class CudaBackend(Backend):
                  f"{self.timings['compile_s']:.2f} s, tune {self.timings['tune_s']:.2f} s [{self.tuning_source}], "
                  f"capture {self.timings['capture_s']:.2f} s)"]
         for role, config in self.tuning.items():
+            if role == "mlp":
+                lines.append(f"  {self.mlp_shape().key}: fused, warps={config.warps} depth={config.depth}")
+                continue
             times = self.tuning_times.get(role, {})
             detail = ", ".join(f"{c.label} {t:.1f}us" for c, t in sorted(times.items(), key=lambda item: item[1]))
             lines.append(f"  {self.shapes[role].key:40s} R={config.row_tiles} warps={config.warps}"
@@ -522,6 +580,10 @@ class CudaBackend(Backend):
             if role in self.step_contests:
                 lines.append("    in the whole step: " + ", ".join(
                     f"{c.label} {us:.1f}" for c, us in self.step_contests[role].items()) + " us per token")
+        if "mlp" in self.step_contests:
+            lines.append("  MLP fused or not, in the whole step: " + ", ".join(
+                f"{c.label if c else 'two GEMVs'} {us:.1f}" for c, us in self.step_contests["mlp"].items())
+                + " us per token")
         if self.joint_moves:
             lines.append("  joint moves in the whole step: " + ", ".join(
                 " + ".join(f"{role} {c.label}" for role, c in move) + f" {us:.1f}"

@@ -107,15 +107,22 @@ def store_file_entry(path, key: str, choices: dict, out=None, bench: dict | None
     return out
 
 
-def gemv_configs(choices, candidates: dict) -> dict | None:
-    """The CUDA backend's GemvConfig for every role, from stored choices; None unless each role of
-    `candidates` (role -> the configurations the autotuner itself tries for it) is present with one
-    of them (a file is untrusted input)."""
-    from tinyinfer.kernels import gemv
+def gemv_configs(choices, candidates: dict, mlp_candidates=()) -> dict | None:
+    """The CUDA backend's GemvConfig for every role, from stored choices, and "mlp" -> MlpConfig
+    where the choices fuse the MLP; None unless each role of `candidates` (role -> the configurations
+    the autotuner itself tries for it) is present with one of them, and a fused MLP names one of
+    mlp_candidates (a file is untrusted input)."""
+    from tinyinfer.kernels import gemv, mlp
 
     if not isinstance(choices, dict):
         return None
     configs = {}
+    if choices.get("mlp") is not None:
+        choice = choices["mlp"]
+        fields = [choice.get("warps"), choice.get("depth"), choice.get("row_tiles", 1)] if isinstance(choice, dict) else [None]
+        if any(type(value) is not int for value in fields) or mlp.MlpConfig(*fields) not in mlp_candidates:
+            return None
+        configs["mlp"] = mlp.MlpConfig(*fields)
     for role, allowed in candidates.items():
         choice = choices.get(role)
         if not isinstance(choice, dict):
@@ -134,11 +141,11 @@ def gemv_configs(choices, candidates: dict) -> dict | None:
     return configs
 
 
-def shipped_gemv_configs(tinf_file, key: str, candidates: dict) -> tuple[dict | None, str]:
+def shipped_gemv_configs(tinf_file, key: str, candidates: dict, mlp_candidates=()) -> tuple[dict | None, str]:
     """(GemvConfigs from the file's entry for `key`, or None to tune as usual; the line for --verbose).
-    candidates: role -> the configurations the tuner tries for it."""
+    candidates: role -> the configurations the tuner tries for it; mlp_candidates: the fused MLP's."""
     found = lookup(tinf_file, key)
-    configs = gemv_configs(found.choices, candidates) if found.status == "match" else None
+    configs = gemv_configs(found.choices, candidates, mlp_candidates) if found.status == "match" else None
     if found.status == "match" and configs is None:
         return None, f"autotune: the file's entry for {key} is incomplete or names unknown configurations; ignoring it"
     return configs, found.describe(key)

@@ -470,7 +470,7 @@ def test_the_tuner_runs_depth_grid_and_refill_stages_in_the_step(monkeypatch):
               "w_down": gemv_k.shape_of(random_encoded("q4", (11008, 512), 64, rng), "plain", "add"),
               "output": gemv_k.shape_of(random_encoded("q4", (300, 512), 64, rng), "rmsnorm", "store")}
     saved = {}
-    monkeypatch.setattr(tune_in_file, "shipped_gemv_configs", lambda tinf, key, allowed: (None, "no entries"))
+    monkeypatch.setattr(tune_in_file, "shipped_gemv_configs", lambda tinf, key, allowed, mlp: (None, "no entries"))
     monkeypatch.setattr(tune_in_file, "backend_key", lambda backend: "key")
     monkeypatch.setattr(autotune, "cache_key", lambda *args: "key")
     monkeypatch.setattr(autotune, "load_cached", lambda key: None)
@@ -488,7 +488,8 @@ def test_the_tuner_runs_depth_grid_and_refill_stages_in_the_step(monkeypatch):
                            stream=None, wait_launch=None, flush_l2=lambda: None, pdl=True, step_us=step_us,
                            gemv_launch=lambda role, layer, c: SimpleNamespace(grid=(gemv_k.grid_units(
                                -(-shapes[role].rows // (16 * c.row_tiles)), 264, c.balanced),)))
-    for stage in ("depth_options", "grid_options", "refill_options", "neighbour_moves", "wide_moves"):
+    fake.mlp_candidates = lambda: []          # no fused MLP: these shapes have none (see the fusion test)
+    for stage in ("depth_options", "grid_options", "refill_options", "neighbour_moves", "wide_moves", "fusion_contest"):
         setattr(fake, stage, getattr(CudaBackend, stage).__get__(fake))
     best = CudaBackend.tune(fake)
     assert best == {"wqkv": C(1, 8, refill=True), "w_down": C(1, 8, depth=3, balanced=True), "output": C(1, 8)}

@@ -18,7 +18,9 @@ from tinyinfer.kernels.build import SOURCES, source_text
 
 NVCC = shutil.which("nvcc")
 ARCHES = ["sm_75", "sm_86", "sm_90"]
-GEMV_ARGS = "(const unsigned char*, const __half*, int, int, int, const float*, const float*, float, float*)"
+GEMV_ARGS = "(const unsigned char*, const __half*, int, int, int, const float*, const float*, float, float*, long long*)"
+MLP_ARGS = ("(const unsigned char*, const __half*, const unsigned char*, const __half*, int, int, int, int, const float*, "
+            "const float*, float, long long*)")
 # (encoding, group, row tiles, input, output, split, ring depth, refill, blocked, wide): every encoding and
 # group, every R, every fusion, split-K clusters, every ring depth the tuner tries (gemv.STEP_DEPTHS),
 # the refilled ring (gemv.can_refill) and the register-tightest kernels (q4 R = 2 with RMSNorm and
@@ -42,7 +44,17 @@ GEMV_INSTANCES = [("W_F16", 0, 1, "IN_RMSNORM", "OUT_STORE", 1, 4, 0, 1, 0), ("W
                   ("W_Q4", 64, 2, "IN_RMSNORM", "OUT_SWIGLU", 1, 2, 0, 0, 0), ("W_Q4", 64, 1, "IN_PLAIN", "OUT_ADD", 2, 4, 1, 0, 0),
                   ("W_Q8", 64, 1, "IN_RMSNORM", "OUT_STORE", 1, 3, 1, 0, 0), ("W_F16", 0, 2, "IN_PLAIN", "OUT_ADD", 2, 2, 1, 0, 0),
                   ("W_Q4", 64, 2, "IN_RMSNORM", "OUT_SWIGLU", 1, 1, 0, 1, 1), ("W_Q4", 64, 1, "IN_PLAIN", "OUT_ADD", 2, 4, 1, 1, 1),
-                  ("W_F16", 0, 2, "IN_RMSNORM", "OUT_STORE", 1, 2, 1, 1, 1), ("W_Q8", 64, 1, "IN_PLAIN", "OUT_ADD", 1, 2, 0, 1, 1)]
+                  ("W_F16", 0, 2, "IN_RMSNORM", "OUT_STORE", 1, 2, 1, 1, 1), ("W_Q8", 64, 1, "IN_PLAIN", "OUT_ADD", 1, 2, 0, 1, 1),
+                  ("W_Q4", 64, 1, "IN_RMSNORM_PENDING", "OUT_STORE", 1, 4, 0, 1, 0),
+                  ("W_Q4", 64, 2, "IN_RMSNORM_PENDING", "OUT_STORE", 1, 2, 1, 1, 0),
+                  ("W_Q8", 64, 1, "IN_RMSNORM_PENDING", "OUT_STORE", 1, 3, 1, 1, 0),
+                  ("W_F16", 0, 2, "IN_RMSNORM_PENDING", "OUT_STORE", 1, 2, 1, 1, 1),
+                  ("W_Q4", 64, 1, "IN_PLAIN", "OUT_ADD_PENDING", 2, 4, 1, 1, 0),
+                  ("W_F16", 0, 2, "IN_PLAIN", "OUT_ADD_PENDING", 1, 2, 1, 1, 1)]
+# The fused MLP (mlp.cu: encoding, group, tiles, row tiles, ring depth, wide): every encoding, the
+# shallowest and deepest rings the tuner tries (mlp.CANDIDATES), both row tiles, and 16 warps.
+MLP_INSTANCES = [(e, g, 4, rt, d, w) for e, g in [("W_F16", 0), ("W_Q8", 64), ("W_Q4", 64)] for rt in (1, 2)
+                 for d in (1, {1: 4, 2: 2}[rt]) for w in (0, 1)]
 
 
 def wrapper(name: str) -> str:
@@ -51,6 +63,8 @@ def wrapper(name: str) -> str:
     if name == "gemv.cu":
         lines += [f"template __global__ void gemv<{e},{g},{r},{i},{o},{s},{d},{f},{b},{w}>{GEMV_ARGS};"
                   for e, g, r, i, o, s, d, f, b, w in GEMV_INSTANCES]
+    if name == "mlp.cu":
+        lines += [f"template __global__ void mlp<{e},{g},{t},{r},{d},{w}>{MLP_ARGS};" for e, g, t, r, d, w in MLP_INSTANCES]
     return "\n".join(lines) + "\n"
 
 
@@ -81,7 +95,7 @@ def test_kernel_compiles_with_nvcc(kernel_dir, name, arch):
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc is not installed")
-@pytest.mark.parametrize("name", ["gemv.cu", "attention.cu", "sampling.cu"])
+@pytest.mark.parametrize("name", ["gemv.cu", "mlp.cu", "attention.cu", "sampling.cu"])
 def test_timeline_probe_compiles(kernel_dir, name):
     """The diagnostic build (TINYINFER_TIMELINE=1 adds -DTI_TIMELINE: per-block timestamps read by
     tests/gpu_timeline.py) compiles for Hopper, where it is used."""
@@ -104,6 +118,7 @@ CUOBJDUMP = os.environ.get("CUOBJDUMP") or shutil.which("cuobjdump") or (
 # an activation before the previous kernel has written it.
 PRE_WAIT_LOADS = {
     "gemv.cu": {"LDG.E.NA.128.CONSTANT": None, "LDG.E.U16.CONSTANT": None},
+    "mlp.cu": {"LDG.E.NA.128.CONSTANT": None, "LDG.E.U16.CONSTANT": None},
     "attention.cu": {"LDG.E.CONSTANT": 1, "LDGSTS.E.BYPASS.128": None, "LDG.E.128.CONSTANT": None},
     "sampling.cu": {},
 }
@@ -195,6 +210,7 @@ def nvrtc_and_headers():
 def test_kernel_compiles_with_nvrtc(name, cc):
     """What CuPy does at run time: NVRTC, our options, templates through name expressions."""
     from tinyinfer.kernels import build
+    from tinyinfer.kernels import mlp
     from tinyinfer.kernels.gemv import STEP_DEPTHS, WIDE_WARPS, GemvConfig, GemvShape, name_expression
 
     found = nvrtc_and_headers()
@@ -207,7 +223,11 @@ def test_kernel_compiles_with_nvrtc(name, cc):
                     for rows in (8, 9)       # in 8-row blocks and row-major
                     for depth in (min(STEP_DEPTHS[rt]), max(STEP_DEPTHS[rt]))
                     for i, o, split in [("rmsnorm", "store", 1), ("plain", "add", 1), ("rmsnorm", "swiglu", 1),
-                                        ("plain", "add", 2)]],
+                                        ("plain", "add", 2), ("rmsnorm_pending", "store", 1),
+                                        ("plain", "add_pending", 2)]],
+        "mlp.cu": [mlp.name_expression(mlp.MlpShape(GemvShape(e, g, 512, 256, 256, "rmsnorm", "swiglu"),
+                                                    GemvShape(e, g, 256, 256, 256, "plain", "add")), config)
+                   for e, g in [("q4", 64), ("q8", 32), ("f16", 0)] for config in mlp.CANDIDATES],
     }.get(name, [])
     program = nvrtc.createProgram(build.expanded_source(name), name, [], [])
     for expression in expressions:

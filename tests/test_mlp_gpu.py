@@ -1,0 +1,152 @@
+"""The fused MLP (kernels/mlp.cu) and the GEMV variants that read its pending sums, against the NumPy
+reference; then the whole model with the MLP fused.
+
+pending starts from random values, so a row the kernel forgets to add to keeps a wrong total; error
+is ||gpu - ref|| / ||ref|| <= 1e-3 as for the GEMVs (tests/test_kernels_gpu.py).
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+import pytest
+
+from tinyinfer.kernels import gemv as gemv_k
+from tinyinfer.kernels import mlp as mlp_k
+from tinyinfer.kernels.build import device_compute_capability
+from tinyinfer.runtime.bench import random_encoded
+
+from tinf_samples import device_bytes  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+MAX_ERROR = 1e-3
+# (dim, ffn): TinyLlama, Llama-2-7B, and the smallest shape mlp.cu takes (one cluster).
+MLP_SHAPES = {"tinyllama": (2048, 5632), "llama7b": (4096, 11008), "one-cluster": (1024, 256)}
+
+
+def relative_error(a, b) -> float:
+    return float(np.linalg.norm(np.asarray(a, np.float64) - b) / np.linalg.norm(b))
+
+
+@pytest.fixture(scope="module")
+def cc(cupy_gpu):
+    cc = device_compute_capability()
+    if cc < mlp_k.MIN_COMPUTE_CAPABILITY:
+        pytest.skip("the fused MLP needs thread-block clusters (compute capability 9.0)")
+    return cc
+
+
+def as_pending(values: np.ndarray) -> np.ndarray:
+    return np.rint(np.asarray(values, np.float64) * mlp_k.PENDING_ONE).astype(np.int64)
+
+
+def from_pending(values: np.ndarray) -> np.ndarray:
+    return np.asarray(values, np.float64) / mlp_k.PENDING_ONE
+
+
+def mlp_case(encoding: str, dim: int, ffn: int, rng):
+    group = None if encoding == "f16" else 64
+    gate_up = random_encoded(encoding, (2 * ffn, dim), group, rng, 1 / np.sqrt(dim))
+    down = random_encoded(encoding, (dim, ffn), group, rng, 1 / np.sqrt(ffn))
+    shape = mlp_k.MlpShape(gemv_k.shape_of(gate_up, "rmsnorm", "swiglu"), gemv_k.shape_of(down, "plain", "add"))
+    x = rng.standard_normal(dim).astype(np.float32)
+    norm = (1 + 0.1 * rng.standard_normal(dim)).astype(np.float32)
+    return gate_up, down, shape, x, norm
+
+
+@pytest.mark.parametrize("encoding", ["f16", "q8", "q4"])
+@pytest.mark.parametrize("name", list(MLP_SHAPES))
+def test_fused_mlp_every_configuration(cupy_gpu, cc, encoding, name):
+    cp = cupy_gpu
+    rng = np.random.default_rng(zlib.crc32(f"mlp{encoding}{name}".encode()))
+    gate_up, down, shape, x, norm = mlp_case(encoding, *MLP_SHAPES[name], rng)
+    assert mlp_k.can_fuse(shape, cc)
+    expected = mlp_k.mlp_reference(gate_up, down, x, norm, 1e-5)
+    start = as_pending(rng.standard_normal(shape.down.rows))
+    w_gu, w_dn = cp.asarray(device_bytes(gate_up, shape.gate_up)), cp.asarray(device_bytes(down, shape.down))
+    for config in mlp_k.CANDIDATES:
+        pending = cp.asarray(start)
+        mod = mlp_k.compile_mlp(shape, config, cc)
+        mlp_k.make_mlp(mod, shape, config, w_gu, w_dn, cp.asarray(x), cp.asarray(norm), 1e-5, pending)()
+        got = from_pending(pending.get()) - from_pending(start)
+        error = relative_error(got, expected)
+        assert error <= MAX_ERROR, f"{encoding} {name} {config.label}: relative error {error:.2e}"
+
+
+def test_fused_mlp_is_repeatable_bit_for_bit(cupy_gpu, cc):
+    """The clusters add in whatever order they finish; integer sums do not depend on it."""
+    cp = cupy_gpu
+    rng = np.random.default_rng(5)
+    gate_up, down, shape, x, norm = mlp_case("q4", 2048, 5632, rng)
+    config = mlp_k.MlpConfig()
+    launch = mlp_k.make_mlp(mlp_k.compile_mlp(shape, config, cc), shape, config,
+                            cp.asarray(device_bytes(gate_up, shape.gate_up)), cp.asarray(device_bytes(down, shape.down)),
+                            cp.asarray(x), cp.asarray(norm), 1e-5, pending := cp.zeros(2048, dtype=cp.int64))
+    results = []
+    for _ in range(5):
+        pending.fill(0)
+        launch()
+        results.append(pending.get())
+    assert np.abs(results[0]).max() > 0 and all(np.array_equal(results[0], r) for r in results[1:])
+
+
+@pytest.mark.parametrize("encoding", ["f16", "q4"])
+@pytest.mark.parametrize("input,output", [("rmsnorm_pending", "store"), ("plain", "add_pending")])
+def test_gemv_reading_the_pending_sums(cupy_gpu, cc, encoding, input, output):
+    """rmsnorm_pending normalises x + pending; add_pending stores y + pending + W x and clears pending.
+    Every tuning candidate (the staging paths differ by block width)."""
+    cp = cupy_gpu
+    rng = np.random.default_rng(zlib.crc32(f"pending{encoding}{input}{output}".encode()))
+    rows, cols = (2560, 2048) if output == "store" else (2048, 2048)
+    tensor = random_encoded(encoding, (rows, cols), None if encoding == "f16" else 64, rng, 1 / np.sqrt(cols))
+    shape = gemv_k.shape_of(tensor, input, output)
+    configs = gemv_k.configs_for(shape, cc)
+    mod = gemv_k.compile_gemvs([(shape, c) for c in configs], cc)
+    weights = cp.asarray(device_bytes(tensor, shape))
+    for config in configs:
+        x = rng.standard_normal(cols).astype(np.float32)
+        start = as_pending(rng.standard_normal(cols if output == "store" else rows))
+        pending = cp.asarray(start)
+        if output == "store":
+            aux = (1 + 0.1 * rng.standard_normal(cols)).astype(np.float32)
+            y = cp.full(rows, np.nan, dtype=cp.float32)
+            expected = gemv_k.gemv_reference(tensor, x + from_pending(start), "rmsnorm", aux, 1e-5)
+            aux = cp.asarray(aux)
+        else:
+            aux, residual = None, rng.standard_normal(rows).astype(np.float32)
+            y = cp.asarray(residual)
+            expected = gemv_k.gemv_reference(tensor, x, "plain", None, 0.0, residual + from_pending(start), "add")
+        gemv_k.make_gemv(mod, shape, config, weights, cp.asarray(x), y, aux, 1e-5, pending=pending)()
+        error = relative_error(y.get(), expected)
+        assert error <= MAX_ERROR, f"{encoding} {input}>{output} {config.label}: {error:.2e}"
+        if output == "add_pending":
+            assert not pending.get().any(), "the o projection clears the pending sums it folds in"
+        else:
+            assert np.array_equal(pending.get(), start), "a normalising GEMV only reads them"
+
+
+@pytest.mark.parametrize("shape,quant", [("tinyllama", "q4"), ("tinyllama", "f16"), ("llama-2-7b", "q8")])
+def test_decode_with_the_fused_mlp_matches_the_numpy_reference(shared_assets, tmp_path, cupy_gpu, shape, quant):
+    """The MLP fused in the captured graph (with PDL), whatever the tuner picked: logits at 24
+    positions, the same bits when run again."""
+    from tinyinfer.formats import open_tinf
+    from tinyinfer.runtime import load
+    from tinyinfer.runtime.bench import write_random_model
+    from tinyinfer.runtime.numpy_backend import NumpyBackend
+    from test_cuda_model_gpu import real_config, relative_errors
+
+    path = tmp_path / "m.tinf"
+    write_random_model(path, real_config(shared_assets, shape), quant, 64, seed=13)
+    ids = np.random.default_rng(4).integers(0, 32000, 24)
+    with load(path, device="cuda") as model:
+        backend = model.backend
+        if backend.mlp_shape() is None:
+            pytest.skip("the fused MLP needs thread-block clusters (compute capability 9.0)")
+        for config in (mlp_k.MlpConfig(8, 2), mlp_k.MlpConfig(8, 3, 2)):
+            backend.use_tuning({**{r: c for r, c in backend.tuning.items() if r != "mlp"}, "mlp": config})
+            gpu = backend.decode_forward(ids, 0)
+            reference = NumpyBackend(open_tinf(path), max_context=24).forward(ids, 0)
+            errors = relative_errors(gpu, reference)
+            assert errors.max() <= MAX_ERROR and np.array_equal(gpu.argmax(-1), reference.argmax(-1)), config.label
+            assert np.array_equal(backend.decode_forward(ids, 0), gpu), "the same logits, bit for bit"
