@@ -22,7 +22,9 @@
 // the epilogue stores y, adds it into a residual, or (for the fused [gate; up] matrix) stores
 // silu(gate) * up: a tile then holds gate rows and the up rows of the same outputs (tile_row), so
 // the down projection reads its input as is. One thread owns each output, so the in-place residual
-// add is race-free.
+// add is race-free. Where the MLP is fused (mlp.cu), its output waits in int64 `pending` sums: the
+// input stage then normalises x + pending (IN_RMSNORM_PENDING), and the o projection's epilogue adds
+// pending to the residual and clears it (OUT_ADD_PENDING).
 #include "common.cuh"
 
 #define W_F16 0
@@ -117,7 +119,7 @@ __device__ __forceinline__ float staged_factor(int i) {
 // batches make the q4 kernels spill.
 template <int IN>
 __device__ __forceinline__ float input_at(const float* __restrict__ x, const long long* __restrict__ pending, int k) {
-    return IN == IN_RMSNORM_PENDING ? x[k] + pending_value(__ldcg(pending + k)) : x[k];
+    return IN == IN_RMSNORM_PENDING ? x[k] + pending_value(pending[k]) : x[k];
 }
 
 template <int IN>
@@ -133,7 +135,7 @@ __device__ __forceinline__ void load8(const float* p, float (&v)[8]) {
     unpack8(*reinterpret_cast<const float4*>(p), *reinterpret_cast<const float4*>(p + 4), v);
 }
 
-// x[k .. k+7], plus the pending sums with IN_RMSNORM_PENDING (coherent loads in the same round trip).
+// x[k .. k+7], plus the pending sums with IN_RMSNORM_PENDING (in the same round trip).
 template <int IN>
 __device__ __forceinline__ void load8_input(const float* __restrict__ x, const long long* __restrict__ pending, int k,
                                             float (&v)[8], bool coherent = false) {
@@ -341,6 +343,27 @@ __device__ __forceinline__ int tile_outputs() {
     return OUT == OUT_SWIGLU ? 8 * RT : 16 * RT;
 }
 
+// The products of a ring slot's piece j (the lanes' j-th 16-byte loads of rows g and g + 8 of each
+// of the RT tiles) with the staged x at xp: d[rt] += A B, two mmas per 8 staged halves (see gemv).
+template <int WT, int RT>
+__device__ __forceinline__ void piece_products(const uint4 (&slot)[RT][2][NL], int j, const uint4* xp,
+                                               float (&d)[RT][4]) {
+#pragma unroll
+    for (int q = 0; q < Weights<WT>::KPL / 8; ++q) {
+        const uint4 xv = xp[q];
+#pragma unroll
+        for (int rt = 0; rt < RT; ++rt) {
+            u32 g_lo, g_hi, g8_lo, g8_hi;
+            a_pair<WT>(slot[rt][0][j], 2 * q, g_lo, g_hi);
+            a_pair<WT>(slot[rt][1][j], 2 * q, g8_lo, g8_hi);
+            mma_16816(d[rt], g_lo, g8_lo, g_hi, g8_hi, xv.x, xv.y);
+            a_pair<WT>(slot[rt][0][j], 2 * q + 1, g_lo, g_hi);
+            a_pair<WT>(slot[rt][1][j], 2 * q + 1, g8_lo, g8_hi);
+            mma_16816(d[rt], g_lo, g8_lo, g_hi, g8_hi, xv.z, xv.w);
+        }
+    }
+}
+
 // The residual y[o] that OUT_ADD(_PENDING) adds to: with OUT_ADD_PENDING, the fused MLP's pending sum
 // is folded in (and cleared by the thread that stores y[o]).
 template <int OUT>
@@ -519,20 +542,7 @@ __global__ void __launch_bounds__(WIDE ? 512 : 256, WIDE ? 1 : 2) gemv(
             // Lanes that feed no B column read zeros (the same bytes for all: a broadcast, no branch).
             const uint4* xp = feeds_b ? reinterpret_cast<const uint4*>(x_mine + staged_index(kb + j * 4 * KPL + t * KPL))
                                       : x_zeros;
-#pragma unroll
-            for (int q = 0; q < KPL / 8; ++q) {      // 8 staged halves feed two mmas
-                const uint4 xv = xp[q];
-#pragma unroll
-                for (int rt = 0; rt < RT; ++rt) {
-                    u32 g_lo, g_hi, g8_lo, g8_hi;
-                    a_pair<WT>(wv[b][rt][0][j], 2 * q, g_lo, g_hi);
-                    a_pair<WT>(wv[b][rt][1][j], 2 * q, g8_lo, g8_hi);
-                    mma_16816(d[rt], g_lo, g8_lo, g_hi, g8_hi, xv.x, xv.y);
-                    a_pair<WT>(wv[b][rt][0][j], 2 * q + 1, g_lo, g_hi);
-                    a_pair<WT>(wv[b][rt][1][j], 2 * q + 1, g8_lo, g8_hi);
-                    mma_16816(d[rt], g_lo, g8_lo, g_hi, g8_hi, xv.z, xv.w);
-                }
-            }
+            piece_products<WT, RT>(wv[b], j, xp, d);
             // d[rt] = {D[g][2t], D[g][2t+1], D[g+8][2t], D[g+8][2t+1]}: x_hi and x_lo parts of section t
             const int section = kb / KPL + 4 * j + t;
             const bool inside = section * KPL < kpad;                   // else the section was a reload

@@ -119,6 +119,21 @@ def can_refill(shape: GemvShape, config: GemvConfig) -> bool:
     return not (shape.encoding == "q8" and config.row_tiles == 2 and config.depth == 2)
 
 
+def pending_variant(shape: GemvShape, config: GemvConfig) -> GemvConfig:
+    """The configuration in which a GEMV that reads the fused MLP's pending sums (shape.input
+    rmsnorm_pending or shape.output add_pending) runs a role tuned as `config`. Their eight int64 per
+    thread hold 16 more registers through the input's staging, and nvcc (sm_90) spills the q4/q8
+    kernels with the deepest rings: there the ring is shallower (R = 1: at most 3, R = 2: 1 deep), and
+    the o projection's R = 2 ring is not refilled."""
+    if shape.encoding == "f16":
+        return config
+    if shape.input == "rmsnorm_pending":
+        config = replace(config, depth=min(config.depth, 3 if config.row_tiles == 1 else 1))
+    if shape.output == "add_pending" and config.row_tiles == 2:
+        config = replace(config, refill=False)
+    return config if can_refill(shape, config) or not config.refill else replace(config, refill=False)
+
+
 def all_configs(shape: GemvShape, compute_capability: int) -> list:
     """Every configuration the tuner can choose for this shape: what it times alone, at every depth,
     with either grid, with and without refill."""

@@ -18,17 +18,23 @@
 //   exchange  each block stores its 8 T values into every block of the cluster (distributed shared
 //             memory); one cluster barrier.
 //   phase 2   block `rank` multiplies rows rank * dim / MLP_CLUSTER ... of W_down, over the slice's
-//             columns, by the slice (warp w: groups of RT 16-row tiles w, w + NW, ..., every chunk of each), and
-//             adds each row's sum to pending[row] with one integer atomic.
+//             columns, by the slice (warp w: groups of RT 16-row tiles w, w + NW, ..., every chunk
+//             of each), and adds each row's sum to pending[row] with one integer atomic.
 //
 // pending is int64 fixed point (common.cuh): atomics in any order give the same total, so decoding
 // stays bit-for-bit repeatable. The next kernels fold it into x: the qkv GEMV and the output head
 // normalise x + pending (gemv.cu IN_RMSNORM_PENDING), the o projection stores x + pending + W_o a
 // and clears pending (OUT_ADD_PENDING), the sampler and the embedding clear it with x.
 //
-// Each warp's items (a 16-row tile x a chunk of CW columns, loaded as gemv.cu loads them) run through
-// one ring of DEPTH register slots across both phases, so phase 2's first weights are in flight
-// while phase 1 ends and while the cluster exchanges its values.
+// Each warp's items (RT 16-row tiles x a chunk of CW columns, loaded as gemv.cu loads them) run
+// through one ring of DEPTH register slots across both phases, so phase 2's first weights are in
+// flight while phase 1 ends and while the cluster exchanges its values.
+//
+// Measured (H200, TinyLlama, BENCHMARKS.md s17): with RT = 2, TinyLlama q4 -5.1% and f16 -2.2% per
+// token against the two GEMVs; with RT = 1 it lost (phase 1 streamed slower than the tuned gate/up
+// GEMV). The grid is 8 blocks per slice of 256 columns; about 31 such clusters fit at once at two
+// blocks per SM (cuOccupancyMaxActiveClusters), so Llama-2-7B's 43 would need a second round: the
+// tuner tries the kernel only where the grid is at most two blocks per SM (CudaBackend.mlp_candidates).
 #include "gemv.cu"
 
 #define MLP_CLUSTER 8    // blocks per cluster (the portable maximum)
@@ -114,10 +120,9 @@ __global__ void __launch_bounds__(WIDE ? 512 : 256, WIDE ? 1 : 2) mlp(
                 for (int j = 0; j < NL; ++j) {
                     const u32 kc = (u32)(item_col(i) + j * 4 * KPL + t * KPL);
                     const u32 byte = kc * BYTES_PER_K2 / 2;
-                    wv[b][rt][h][j] = load_stream(w + (r & ~7u) * row_bytes32 + (r & 7u) * 64u + (byte >> 6) * 512u +
-                                                  (byte & 63u));
+                    wv[b][rt][h][j] = load_stream(w + blocked_value_row(r, row_bytes32) + blocked_value_column(byte));
                     if (WT != W_F16)
-                        sc[b][rt][h][j] = __half_as_ushort(scales[(r & ~7u) * ngroups + (r & 7u) + kc / (G ? G : 1) * 8u]);
+                        sc[b][rt][h][j] = __half_as_ushort(scales[blocked_scale_row(r, ngroups) + kc / (G ? G : 1) * 8u]);
                 }
             }
     };
@@ -138,20 +143,7 @@ __global__ void __launch_bounds__(WIDE ? 512 : 256, WIDE ? 1 : 2) mlp(
             float d[RT][4] = {};
             const uint4* xp = (g >> 1) == t ? reinterpret_cast<const uint4*>(mine + staged_index(kb + j * 4 * KPL + t * KPL))
                                             : x_zeros;
-#pragma unroll
-            for (int q = 0; q < KPL / 8; ++q) {
-                const uint4 xv = xp[q];
-#pragma unroll
-                for (int rt = 0; rt < RT; ++rt) {
-                    u32 g_lo, g_hi, g8_lo, g8_hi;
-                    a_pair<WT>(wv[b][rt][0][j], 2 * q, g_lo, g_hi);
-                    a_pair<WT>(wv[b][rt][1][j], 2 * q, g8_lo, g8_hi);
-                    mma_16816(d[rt], g_lo, g8_lo, g_hi, g8_hi, xv.x, xv.y);
-                    a_pair<WT>(wv[b][rt][0][j], 2 * q + 1, g_lo, g_hi);
-                    a_pair<WT>(wv[b][rt][1][j], 2 * q + 1, g8_lo, g8_hi);
-                    mma_16816(d[rt], g_lo, g8_lo, g_hi, g8_hi, xv.z, xv.w);
-                }
-            }
+            piece_products<WT, RT>(wv[b], j, xp, d);
             const int section = kb / KPL + 4 * j + t;
             const float c = WT == W_F16 ? 0.f : corr[section];
 #pragma unroll

@@ -81,6 +81,11 @@ def can_fuse(shape: MlpShape, compute_capability: int) -> bool:
             and all(fits(shape, config) for config in CANDIDATES))
 
 
+def blocks(shape: MlpShape) -> int:
+    """The kernel's grid: a cluster of CLUSTER blocks per SLICE of the FFN."""
+    return shape.gate_up.rows // 2 // SLICE * CLUSTER
+
+
 def name_expression(shape: MlpShape, config: MlpConfig) -> str:
     gu = shape.gate_up
     return f"mlp<{ENCODING_ID[gu.encoding]},{gu.group},{TILES},{config.row_tiles},{config.depth},{int(config.wide)}>"
@@ -114,8 +119,7 @@ def make_mlp(mod, shape: MlpShape, config: MlpConfig, gate_up, down, x, norm, ep
 
     args = (*pointers(gate_up, gu), *pointers(down, dn), np.int32(gu.cols), np.int32(gu.rows // 2),
             np.int32(gu.cols_pad), np.int32(dn.cols_pad), x, norm, np.float32(eps), pending)
-    blocks = gu.rows // 2 // SLICE * CLUSTER
-    return Launch(name, kernel, (blocks,), (32 * config.warps,), args, shared_bytes(shape, config),
+    return Launch(name, kernel, (blocks(shape),), (32 * config.warps,), args, shared_bytes(shape, config),
                   bytes_read=shape.weight_bytes, waits=True, cluster=CLUSTER)
 
 

@@ -10,9 +10,10 @@ A decode step is a fixed sequence of kernel launches over buffers allocated once
                 down GEMV (+= residual) ]
     -> output GEMV (final RMSNorm fused) -> sampler (picks the token, embeds it into x)
 
-5 kernels per layer + 2, or 4 where the tuner fuses the MLP (gate/up and down in one kernel of
-thread-block clusters, kernels/mlp.cu, Hopper): its sums then go to an int64 `pending` vector that
-the next qkv GEMV reads with x, the o projection folds into x and the output head reads with x. The position, the current token and the step index live in a small device
+5 kernels per layer + 2, or 4 per layer where the tuner fuses the MLP (gate/up and down in one
+kernel of thread-block clusters, kernels/mlp.cu, Hopper): its sums then go to an int64 `pending`
+vector, which the next qkv GEMV and the output head read with x and the o projection folds into x.
+The position, the current token and the step index live in a small device
 array that the kernels read and the sampler advances, so the whole step is captured once as a CUDA
 graph and replayed with no host work in between: the host launches several steps ahead and only
 reads tokens back. Tokens the host feeds (prompts, forward()) are embedded by a separate launch.
@@ -284,6 +285,10 @@ class CudaBackend(Backend):
         return self.cached_launch(("gemv", role, layer, config, pending),
                                   lambda: self.make_gemv_launch(role, layer, config, pending))
 
+    def pending_config(self, role: str, config: gemv_k.GemvConfig) -> gemv_k.GemvConfig:
+        """The role's configuration for its variant that reads the pending sums (gemv.pending_variant)."""
+        return gemv_k.pending_variant(self.pending_shape(role), config)
+
     def pending_shape(self, role: str) -> gemv_k.GemvShape:
         shape = self.shapes[role]
         if role == "wo":
@@ -295,9 +300,10 @@ class CudaBackend(Backend):
     def make_gemv_launch(self, role: str, layer: int, config: gemv_k.GemvConfig, pending: bool = False):
         eps = float(self.config["norm_eps"])
         name = self.layer_shape(role, layer)
-        shape = self.pending_shape(role) if pending else self.shapes[role]
+        shape = self.shapes[role]
         module = self.gemv_module
         if pending:     # built on first use: only a fused step reads the pending sums
+            shape, config = self.pending_shape(role), self.pending_config(role, config)
             module = gemv_k.GemvModules([(shape, config)], self.compute_capability)
         if role == "wqkv":
             x, y, aux = self.x, self.qkv, self.f32_view(f"layers.{layer}.attn_norm")
@@ -453,8 +459,13 @@ class CudaBackend(Backend):
         return best
 
     def mlp_candidates(self) -> list:
-        """The fused MLP's configurations the tuner tries (none where it cannot run)."""
-        return list(mlp_k.CANDIDATES) if self.mlp_shape() is not None else []
+        """The fused MLP's configurations the tuner tries: none where it cannot run, nor where its
+        blocks do not all fit on the GPU at once at two per SM (Llama-2-7B: 43 clusters of 8; a
+        second round of clusters made its first phase 1.8 times as long, H200, BENCHMARKS.md s17)."""
+        shape = self.mlp_shape()
+        if shape is None or mlp_k.blocks(shape) > 2 * self.n_sms:
+            return []
+        return list(mlp_k.CANDIDATES)
 
     def fusion_contest(self, best: dict) -> dict:
         """The tuned GEMVs against each fused-MLP configuration with them, in the whole step (the
@@ -463,14 +474,14 @@ class CudaBackend(Backend):
         if not candidates:
             return best
         cc, shape = self.compute_capability, self.mlp_shape()
-        pending = [(self.pending_shape(role), best[role]) for role in ("wqkv", "wo", "output")]
+        pending = [(self.pending_shape(role), self.pending_config(role, best[role])) for role in ("wqkv", "wo", "output")]
         build.compile_all([mlp_k.compile_mlp(shape, c, cc) for c in candidates]
                           + gemv_k.GemvModules(pending, cc).modules)
         times = {None: self.step_us(best)}
         times.update({config: self.step_us({**best, "mlp": config}) for config in candidates})
         self.step_contests["mlp"] = times
-        chosen = min(times, key=times.get)
-        return best if chosen is None else {**best, "mlp": chosen}
+        fused = min(candidates, key=times.get)
+        return {**best, "mlp": fused} if times[fused] < times[None] * (1 - autotune.STEP_MARGIN) else best
 
     def depth_options(self, role: str, chosen: gemv_k.GemvConfig) -> list:
         """The configurations the depth stage tries for a role: the chosen one and, unless it lost by
@@ -569,7 +580,8 @@ class CudaBackend(Backend):
                  f"capture {self.timings['capture_s']:.2f} s)"]
         for role, config in self.tuning.items():
             if role == "mlp":
-                lines.append(f"  {self.mlp_shape().key}: fused, warps={config.warps} depth={config.depth}")
+                lines.append(f"  {self.mlp_shape().key}: fused, R={config.row_tiles} warps={config.warps} "
+                             f"depth={config.depth}")
                 continue
             times = self.tuning_times.get(role, {})
             detail = ", ".join(f"{c.label} {t:.1f}us" for c, t in sorted(times.items(), key=lambda item: item[1]))

@@ -48,8 +48,18 @@ def probe_arrays(module):
 
 
 def modules(b):
-    """Every module of the step: each holds its own probe buffer."""
-    return (*b.gemv_module.modules, b.attn_module, b.sample_module)
+    """Every module of the step: each holds its own probe buffer (with the MLP fused, also the fused
+    kernel's and those of the GEMVs that read its pending sums)."""
+    fused = []
+    if b.tuning.get("mlp") is not None:
+        from tinyinfer.kernels import gemv as gemv_k
+        from tinyinfer.kernels import mlp as mlp_k
+
+        cc = b.compute_capability
+        fused.append(mlp_k.compile_mlp(b.mlp_shape(), b.tuning["mlp"], cc))
+        fused += gemv_k.GemvModules([(b.pending_shape(r), b.pending_config(r, b.tuning[r]))
+                                     for r in ("wqkv", "wo", "output")], cc).modules
+    return (*b.gemv_module.modules, *fused, b.attn_module, b.sample_module)
 
 
 def collect(b, prompt) -> np.ndarray:

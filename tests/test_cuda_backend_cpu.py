@@ -662,3 +662,59 @@ def test_compile_all_loads_cached_modules_in_turn_and_compiles_the_rest_on_threa
     log.clear()
     build.compile_all([Module("a", 0), Module("b", 0)])            # all cached: no pool
     assert log == [("a", True, None), ("b", True, None)]
+
+
+def test_the_fused_mlp_is_kept_only_where_it_makes_the_step_faster(monkeypatch):
+    """CudaBackend.fusion_contest: every fused configuration against the two GEMVs in the whole step,
+    the fastest kept only at autotune.STEP_MARGIN faster, and every timing in step_contests["mlp"];
+    mlp_candidates: none where the kernel's clusters do not all fit at two blocks per SM."""
+    from types import SimpleNamespace
+
+    from tinyinfer.kernels import build
+    from tinyinfer.kernels import mlp as mlp_k
+    from tinyinfer.runtime.cuda_backend import CudaBackend
+
+    monkeypatch.setattr(build, "compile_all", lambda modules: None)
+    monkeypatch.setattr(mlp_k, "compile_mlp", lambda shape, config, cc: None)
+    monkeypatch.setattr(gemv_k, "GemvModules", lambda items, cc: SimpleNamespace(modules=[]))
+    best = {role: gemv_k.GemvConfig(1, 8) for role in ("wqkv", "wo", "w_gate_up", "w_down", "output")}
+    fast, slow = mlp_k.MlpConfig(8, 1, 2), mlp_k.MlpConfig(8, 4, 1)
+
+    def backend(fused_us):
+        fake = SimpleNamespace(compute_capability=90, step_contests={}, mlp_shape=lambda: "shape",
+                               mlp_candidates=lambda: [slow, fast], pending_shape=lambda role: role,
+                               pending_config=lambda role, config: config)
+        fake.step_us = lambda tuning: {None: 430.0, slow: 445.0, fast: fused_us}[tuning.get("mlp")]
+        return fake
+
+    won = backend(410.0)
+    assert CudaBackend.fusion_contest(won, best) == {**best, "mlp": fast}
+    assert won.step_contests["mlp"] == {None: 430.0, slow: 445.0, fast: 410.0}
+    assert CudaBackend.fusion_contest(backend(429.0), best) == best       # within STEP_MARGIN: not worth it
+
+    def candidates(ffn):
+        gate_up = gemv_k.GemvShape("q4", 64, 2 * ffn, 2048, 2048, "rmsnorm", "swiglu")
+        down = gemv_k.GemvShape("q4", 64, 2048, ffn, ffn, "plain", "add")
+        fake = SimpleNamespace(n_sms=132, mlp_shape=lambda: mlp_k.MlpShape(gate_up, down))
+        return CudaBackend.mlp_candidates(fake)
+
+    assert candidates(5632) == list(mlp_k.CANDIDATES)        # TinyLlama: 22 clusters of 8, 176 blocks
+    assert candidates(11008) == []                           # Llama-2-7B's FFN: 43 clusters, 344 blocks
+
+
+def test_gemvs_reading_the_pending_sums_run_shallower_rings_where_they_would_spill():
+    """gemv.pending_variant: the q4/q8 GEMVs that read the fused MLP's sums keep rings nvcc does not
+    spill (tests/test_cuda_compile.py checks the machine code); f16 and other roles run as tuned."""
+    C = gemv_k.GemvConfig
+    norm = gemv_k.GemvShape("q4", 64, 2560, 2048, 2048, "rmsnorm_pending", "store")
+    fold = gemv_k.GemvShape("q4", 64, 2048, 2048, 2048, "plain", "add_pending")
+    assert gemv_k.pending_variant(norm, C(1, 8, depth=4, refill=True)) == C(1, 8, depth=3, refill=True)
+    assert gemv_k.pending_variant(norm, C(2, 16, depth=2)) == C(2, 16, depth=1)
+    assert gemv_k.pending_variant(norm, C(1, 8, depth=2)) == C(1, 8, depth=2)
+    assert gemv_k.pending_variant(fold, C(2, 8, 2, depth=2, refill=True)) == C(2, 8, 2, depth=2)
+    assert gemv_k.pending_variant(fold, C(1, 8, 2, depth=4, refill=True)) == C(1, 8, 2, depth=4, refill=True)
+    f16 = gemv_k.GemvShape("f16", 0, 2560, 2048, 2048, "rmsnorm_pending", "store")
+    assert gemv_k.pending_variant(f16, C(2, 16, depth=2, refill=True)) == C(2, 16, depth=2, refill=True)
+    q8 = gemv_k.GemvShape("q8", 64, 2048, 2048, 2048, "plain", "add_pending")
+    for config in gemv_k.all_configs(gemv_k.GemvShape("q8", 64, 2048, 2048, 2048, "plain", "add"), 90):
+        assert gemv_k.can_refill(q8, gemv_k.pending_variant(q8, config)) or not gemv_k.pending_variant(q8, config).refill

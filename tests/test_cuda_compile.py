@@ -45,11 +45,13 @@ GEMV_INSTANCES = [("W_F16", 0, 1, "IN_RMSNORM", "OUT_STORE", 1, 4, 0, 1, 0), ("W
                   ("W_Q8", 64, 1, "IN_RMSNORM", "OUT_STORE", 1, 3, 1, 0, 0), ("W_F16", 0, 2, "IN_PLAIN", "OUT_ADD", 2, 2, 1, 0, 0),
                   ("W_Q4", 64, 2, "IN_RMSNORM", "OUT_SWIGLU", 1, 1, 0, 1, 1), ("W_Q4", 64, 1, "IN_PLAIN", "OUT_ADD", 2, 4, 1, 1, 1),
                   ("W_F16", 0, 2, "IN_RMSNORM", "OUT_STORE", 1, 2, 1, 1, 1), ("W_Q8", 64, 1, "IN_PLAIN", "OUT_ADD", 1, 2, 0, 1, 1),
-                  ("W_Q4", 64, 1, "IN_RMSNORM_PENDING", "OUT_STORE", 1, 4, 0, 1, 0),
-                  ("W_Q4", 64, 2, "IN_RMSNORM_PENDING", "OUT_STORE", 1, 2, 1, 1, 0),
+                  ("W_Q4", 64, 1, "IN_RMSNORM_PENDING", "OUT_STORE", 1, 3, 1, 1, 0),
+                  ("W_Q4", 64, 2, "IN_RMSNORM_PENDING", "OUT_STORE", 1, 1, 1, 1, 0),
                   ("W_Q8", 64, 1, "IN_RMSNORM_PENDING", "OUT_STORE", 1, 3, 1, 1, 0),
+                  ("W_Q8", 64, 2, "IN_RMSNORM_PENDING", "OUT_STORE", 1, 1, 0, 1, 1),
                   ("W_F16", 0, 2, "IN_RMSNORM_PENDING", "OUT_STORE", 1, 2, 1, 1, 1),
                   ("W_Q4", 64, 1, "IN_PLAIN", "OUT_ADD_PENDING", 2, 4, 1, 1, 0),
+                  ("W_Q4", 64, 2, "IN_PLAIN", "OUT_ADD_PENDING", 2, 2, 0, 1, 0),
                   ("W_F16", 0, 2, "IN_PLAIN", "OUT_ADD_PENDING", 1, 2, 1, 1, 1)]
 # The fused MLP (mlp.cu: encoding, group, tiles, row tiles, ring depth, wide): every encoding, the
 # shallowest and deepest rings the tuner tries (mlp.CANDIDATES), both row tiles, and 16 warps.

@@ -193,6 +193,23 @@ def test_only_known_gemv_configurations_are_accepted():
         assert tune_in_file.gemv_configs(bad, roles) is None, bad
 
 
+def test_a_fused_mlp_choice_must_name_a_candidate():
+    """The fused MLP's choice ("mlp", kernels/mlp.py) comes with the GEMVs' or not at all; absent or
+    null, the MLP runs as two GEMVs."""
+    from tinyinfer.kernels import mlp
+
+    roles = candidates(["wqkv"])
+    good = {"wqkv": {"row_tiles": 2, "warps": 4}}
+    assert "mlp" not in tune_in_file.gemv_configs(good, roles, mlp.CANDIDATES)
+    assert "mlp" not in tune_in_file.gemv_configs(dict(good, mlp=None), roles, mlp.CANDIDATES)
+    fused = dict(good, mlp={"warps": 8, "depth": 1, "row_tiles": 2})
+    assert tune_in_file.gemv_configs(fused, roles, mlp.CANDIDATES)["mlp"] == mlp.MlpConfig(8, 1, 2)
+    assert tune_in_file.gemv_configs(fused, roles, ()) is None             # this GPU or model cannot fuse
+    for bad in ({"warps": 16, "depth": 1}, {"warps": 8, "depth": 3, "row_tiles": 2}, {"warps": 8},
+                {"warps": 8, "depth": True}, "fused"):
+        assert tune_in_file.gemv_configs(dict(good, mlp=bad), roles, mlp.CANDIDATES) is None, bad
+
+
 def candidates(roles) -> dict:
     """role -> the configurations the tuner tries on a GPU without clusters (every depth, either grid,
     either ring refill)."""
