@@ -364,6 +364,11 @@ __device__ __forceinline__ void piece_products(const uint4 (&slot)[RT][2][NL], i
     }
 }
 
+// silu(gate) * up, one output of the fused [gate; up] matrix (runtime/reference.py swiglu).
+__device__ __forceinline__ float swiglu(float gate, float up) {
+    return gate / (1.f + __expf(-gate)) * up;
+}
+
 // The residual y[o] that OUT_ADD(_PENDING) adds to: with OUT_ADD_PENDING, the fused MLP's pending sum
 // is folded in (and cleared by the thread that stores y[o]).
 template <int OUT>
@@ -680,7 +685,7 @@ __global__ void __launch_bounds__(WIDE ? 512 : 256, WIDE ? 1 : 2) gemv(
                 y[o] = (ti == 0 && i == (int)threadIdx.x ? residual : residual_at<OUT>(y, pending, o)) + total;
                 if (OUT == OUT_ADD_PENDING) pending[o] = 0;      // folded into y
             }
-            else if (OUT == OUT_SWIGLU) y[out0 + i] = total / (1.f + __expf(-total)) * up;
+            else if (OUT == OUT_SWIGLU) y[out0 + i] = swiglu(total, up);
             else y[out0 + i] = total;
         }
     }

@@ -131,7 +131,7 @@ def pending_variant(shape: GemvShape, config: GemvConfig) -> GemvConfig:
         config = replace(config, depth=min(config.depth, 3 if config.row_tiles == 1 else 1))
     if shape.output == "add_pending" and config.row_tiles == 2:
         config = replace(config, refill=False)
-    return config if can_refill(shape, config) or not config.refill else replace(config, refill=False)
+    return config
 
 
 def all_configs(shape: GemvShape, compute_capability: int) -> list:
@@ -269,14 +269,14 @@ def make_gemv(mod, shape: GemvShape, config: GemvConfig, weight, x, y, aux=None,
                          "addresses tensors below 4 GiB")
     if config.split > 1 and not splittable(shape):
         raise ValueError(f"no split-K GEMV for {shape.input} input and {shape.output} output")
+    if (pending is None) != (shape.input != "rmsnorm_pending" and shape.output != "add_pending"):
+        raise ValueError(f"{shape.key}: pending sums are passed exactly when the GEMV reads them")
     kernel = mod.get_function(name_expression(shape, config))
     w_ptr = weight.data.ptr
     scale_ptr = w_ptr + scale_offset(shape) if shape.encoding != "f16" else w_ptr
     tiles = -(-output_rows(shape) // (tile_outputs(shape) * config.row_tiles))
     shared = shared_bytes(shape, config)
     per_sm, sms = resident_blocks(kernel, 32 * config.warps, shared)
-    if (pending is None) != (shape.input != "rmsnorm_pending" and shape.output != "add_pending"):
-        raise ValueError(f"{shape.key}: pending sums are passed exactly when the GEMV reads them")
     args = (np.uint64(w_ptr), np.uint64(scale_ptr), np.int32(shape.rows), np.int32(shape.cols_pad),
             np.int32(shape.cols), x, aux if aux is not None else np.uint64(0), np.float32(eps), y,
             pending if pending is not None else np.uint64(0))

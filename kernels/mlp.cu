@@ -132,8 +132,8 @@ __global__ void __launch_bounds__(WIDE ? 512 : 256, WIDE ? 1 : 2) mlp(
         ++loaded;
     };
 
-    // Item i from ring slot b against the staged vector (xs_hi, xs_low, corr) whose column 0 is
-    // column `base` of the matrix: as gemv.cu's compute_item, one row pair per warp.
+    // Item i from ring slot b against the staged vector (hi, lo, corr) whose column 0 is
+    // column `base` of the matrix: as gemv.cu's compute_item.
     auto compute = [&](int b, int i, const __half* hi, const __half* lo, const float* corr, int base,
                        float (&acc)[RT][2]) {
         const int kb = item_col(i) - base;
@@ -210,7 +210,7 @@ __global__ void __launch_bounds__(WIDE ? 512 : 256, WIDE ? 1 : 2) mlp(
             gate += part[((group + p * TG) * RT + rt) * 16 + row];
             up += part[((group + p * TG) * RT + rt) * 16 + row + 8];
         }
-        const float value = gate / (1.f + __expf(-gate)) * up;
+        const float value = swiglu(gate, up);
 #pragma unroll
         for (int peer = 0; peer < MLP_CLUSTER; ++peer) *peer_shared(slice + rank * OUTS + threadIdx.x, peer) = value;
     }

@@ -2,7 +2,8 @@
 NumPy reference.
 
 An MlpShape pairs the two GEMV shapes it replaces (the fused [gate; up] matrix with RMSNorm and
-SwiGLU, the down matrix); an MlpConfig is the tunable part (warps per block, ring depth). The kernel
+SwiGLU, the down matrix); an MlpConfig is the tunable part (warps per block, ring depth, row tiles
+per item). The kernel
 adds its output to `pending` (int64 fixed point, common.cuh), which the next kernels fold into x:
 see mlp.cu.
 """
@@ -14,7 +15,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from tinyinfer.kernels.build import Launch, module
-from tinyinfer.kernels.gemv import CHUNK_K, ENCODING_ID, STEP_DEPTHS, WIDE_WARPS, GemvShape, scale_offset
+from tinyinfer.kernels.gemv import (CHUNK_K, ENCODING_ID, STEP_DEPTHS, WIDE_WARPS, GemvShape, gemv_reference,
+                                    scale_offset)
 
 CLUSTER = 8                  # blocks per cluster (mlp.cu MLP_CLUSTER)
 TILES = 4                    # phase-1 tiles per block (mlp.cu T): 8 * TILES outputs
@@ -124,9 +126,7 @@ def make_mlp(mod, shape: MlpShape, config: MlpConfig, gate_up, down, x, norm, ep
 
 
 def mlp_reference(gate_up_tensor, down_tensor, x: np.ndarray, norm: np.ndarray, eps: float) -> np.ndarray:
-    """What the kernel adds to pending (as float32): W_down swiglu(W_gate_up rms_norm(x))."""
-    from tinyinfer.runtime import reference as ref
-
-    h = ref.swiglu(ref.linear(ref.rms_norm(np.asarray(x, np.float32), norm, eps)[None, :],
-                              gate_up_tensor.to_float32())[0])
-    return ref.linear(h[None, :], down_tensor.to_float32())[0]
+    """What the kernel adds to pending (as float32): W_down swiglu(W_gate_up rms_norm(x)), the two
+    GEMVs it replaces."""
+    h = gemv_reference(gate_up_tensor, x, "rmsnorm", norm, eps, output="swiglu")
+    return gemv_reference(down_tensor, h)
