@@ -109,8 +109,11 @@ def configs_for(shape: GemvShape, compute_capability: int) -> list:
 
 
 def depth_variants(shape: GemvShape, config: GemvConfig) -> list:
-    """config at each ring depth the tuner tries in the decode step."""
-    return [replace(config, depth=d) for d in STEP_DEPTHS[config.row_tiles]]
+    """config at each ring depth the tuner tries in the decode step; a refilled ring stays refilled
+    where that kernel exists at the new depth (can_refill) and is refilled after the products where
+    it does not (the tuner's joint moves start from refilled choices)."""
+    variants = [replace(config, depth=d) for d in STEP_DEPTHS[config.row_tiles]]
+    return [replace(v, refill=v.refill and can_refill(shape, v)) for v in variants]
 
 
 def can_refill(shape: GemvShape, config: GemvConfig) -> bool:

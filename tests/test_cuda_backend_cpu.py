@@ -370,6 +370,11 @@ def test_ring_depths_default_round_trip_and_variants():
     assert len(gemv_k.all_configs(q4, 90)) == 2 * 3 * (4 + 2) * 2 * 2
     q8 = gemv_k.shape_of(random_encoded("q8", (256, 512), 64, np.random.default_rng(0)), "plain", "add")
     assert not any(c.refill and c.row_tiles == 2 and c.depth == 2 for c in gemv_k.all_configs(q8, 90))   # spills
+    # a refilled choice's depth variants are all kernels that exist (a joint move of the tuner built
+    # q8 R = 2 at depth 2 refilled, which is never compiled: s18 on an H200)
+    variants = gemv_k.depth_variants(q8, C(2, 16, depth=1, refill=True))
+    assert [(c.depth, c.refill) for c in variants] == [(1, True), (2, False)]
+    assert set(variants) <= set(gemv_k.all_configs(q8, 90))
     assert len(gemv_k.all_configs(q8, 90)) == 2 * 3 * (4 + 2) * 2 * 2 - 2 * 3 * 2
 
 
