@@ -163,9 +163,10 @@ TI_DEVICE void load8_activation(const float* p, float (&v)[8]) {
     unpack8(load_activation4(p), load_activation4(p + 4), v);
 }
 
-// Pending sums (the fused MLP of mlp.cu): int64 fixed point with 32 fraction bits, which blocks add
-// to with integer atomics, so the total does not depend on their order (decoding stays bit-for-bit
-// repeatable, which float atomics would not). Range +-2^31, resolution 2^-32.
+// The residual in fixed point where the MLP is fused (mlp.cu's `pending`): int64 with 32 fraction
+// bits, which blocks add to with integer atomics, so the total does not depend on their order
+// (decoding stays bit-for-bit repeatable, which float atomics would not). Range +-2^31, resolution
+// 2^-32.
 #define PENDING_ONE 4294967296.0f   // 2^32
 
 TI_DEVICE float pending_value(long long v) {
@@ -176,14 +177,16 @@ TI_DEVICE long long to_pending(float v) {
     return __float2ll_rn(v * PENDING_ONE);        // exact scaling by 2^32, one rounding to an integer
 }
 
-// v[i] += pending[i] for eight values (16-byte aligned), after the PDL wait.
-TI_DEVICE void add_pending8(const long long* pending, float (&v)[8]) {
+// v[i] = pending[i] for eight values (16-byte aligned), after the PDL wait: plain loads, as x (the
+// GEMV readers cost twice as much with ld.global.cg, s17), or coherent ones where a plain load
+// could be moved above the wait (load_activation4).
+TI_DEVICE void load_pending8(const long long* pending, float (&v)[8], bool coherent) {
     const longlong2* p = reinterpret_cast<const longlong2*>(pending);
 #pragma unroll
     for (int q = 0; q < 4; ++q) {
-        const longlong2 a = p[q];      // plain, as x: ld.global.cg made the readers cost twice as much (s17)
-        v[2 * q] += pending_value(a.x);
-        v[2 * q + 1] += pending_value(a.y);
+        const longlong2 a = coherent ? __ldcg(p + q) : p[q];
+        v[2 * q] = pending_value(a.x);
+        v[2 * q + 1] = pending_value(a.y);
     }
 }
 

@@ -22,9 +22,10 @@
 // the epilogue stores y, adds it into a residual, or (for the fused [gate; up] matrix) stores
 // silu(gate) * up: a tile then holds gate rows and the up rows of the same outputs (tile_row), so
 // the down projection reads its input as is. One thread owns each output, so the in-place residual
-// add is race-free. Where the MLP is fused (mlp.cu), its output waits in int64 `pending` sums: the
-// input stage then normalises x + pending (IN_RMSNORM_PENDING), and the o projection's epilogue adds
-// pending to the residual and clears it (OUT_ADD_PENDING).
+// add is race-free. Where the MLP is fused (mlp.cu), the residual is also held in int64 fixed point,
+// `pending`, which the fused MLP adds to with integer atomics: the input stage then normalises
+// pending instead of x (IN_RMSNORM_PENDING), and the o projection's epilogue adds to pending and
+// stores the sum both in x (which the fused MLP normalises) and in pending (OUT_ADD_PENDING).
 #include "common.cuh"
 
 #define W_F16 0
@@ -33,11 +34,11 @@
 
 #define IN_PLAIN 0     // x as is
 #define IN_RMSNORM 1   // rms_norm(x, aux, eps)
-#define IN_RMSNORM_PENDING 2   // rms_norm(x + pending, aux, eps): pending as in OUT_ADD_PENDING
+#define IN_RMSNORM_PENDING 2   // rms_norm(pending, aux, eps): the residual in fixed point, x unread
 
 #define OUT_STORE 0    // y[row] = W x
 #define OUT_ADD 1      // y[row] += W x
-#define OUT_ADD_PENDING 3   // y[row] += pending[row] + W x; pending[row] = 0 (the fused MLP's sums, mlp.cu)
+#define OUT_ADD_PENDING 3   // y[row] = pending[row] + W x, and pending[row] = y[row] in fixed point (mlp.cu)
 #define OUT_SWIGLU 2   // W = [gate; up] (rows = 2F): y[i] = silu(gate_i x) * (up_i x), i < F
 
 #define NL 2           // 16-byte loads per lane per row per chunk
@@ -119,7 +120,7 @@ __device__ __forceinline__ float staged_factor(int i) {
 // batches make the q4 kernels spill.
 template <int IN>
 __device__ __forceinline__ float input_at(const float* __restrict__ x, const long long* __restrict__ pending, int k) {
-    return IN == IN_RMSNORM_PENDING ? x[k] + pending_value(pending[k]) : x[k];
+    return IN == IN_RMSNORM_PENDING ? pending_value(pending[k]) : x[k];
 }
 
 template <int IN>
@@ -135,13 +136,13 @@ __device__ __forceinline__ void load8(const float* p, float (&v)[8]) {
     unpack8(*reinterpret_cast<const float4*>(p), *reinterpret_cast<const float4*>(p + 4), v);
 }
 
-// x[k .. k+7], plus the pending sums with IN_RMSNORM_PENDING (in the same round trip).
+// The input's columns k .. k+7: x, or with IN_RMSNORM_PENDING the residual in fixed point.
 template <int IN>
 __device__ __forceinline__ void load8_input(const float* __restrict__ x, const long long* __restrict__ pending, int k,
                                             float (&v)[8], bool coherent = false) {
-    if (coherent) load8_activation(x + k, v);
+    if (IN == IN_RMSNORM_PENDING) load_pending8(pending + k, v, coherent);
+    else if (coherent) load8_activation(x + k, v);
     else load8(x + k, v);
-    if (IN == IN_RMSNORM_PENDING) add_pending8(pending + k, v);
 }
 
 
@@ -369,12 +370,11 @@ __device__ __forceinline__ float swiglu(float gate, float up) {
     return gate / (1.f + __expf(-gate)) * up;
 }
 
-// The residual y[o] that OUT_ADD(_PENDING) adds to: with OUT_ADD_PENDING, the fused MLP's pending sum
-// is folded in (and cleared by the thread that stores y[o]).
+// The residual that OUT_ADD(_PENDING) adds to: y[o], or with OUT_ADD_PENDING the fixed-point residual
+// pending[o] (the thread that stores y[o] stores the sum back into pending[o]).
 template <int OUT>
 __device__ __forceinline__ float residual_at(const float* y, const long long* pending, int o) {
-    const float r = __ldcg(y + o);
-    return OUT == OUT_ADD_PENDING ? r + pending_value(__ldcg(pending + o)) : r;
+    return OUT == OUT_ADD_PENDING ? pending_value(__ldcg(pending + o)) : __ldcg(y + o);
 }
 
 // Persistent blocks: the grid is sized to what stays resident on the GPU, each block stages x once
@@ -682,8 +682,9 @@ __global__ void __launch_bounds__(WIDE ? 512 : 256, WIDE ? 1 : 2) gemv(
             if (SPLIT > 1) total += peer_tile[i];
             if (ADDS) {
                 const int o = out0 + i;
-                y[o] = (ti == 0 && i == (int)threadIdx.x ? residual : residual_at<OUT>(y, pending, o)) + total;
-                if (OUT == OUT_ADD_PENDING) pending[o] = 0;      // folded into y
+                const float sum = (ti == 0 && i == (int)threadIdx.x ? residual : residual_at<OUT>(y, pending, o)) + total;
+                y[o] = sum;
+                if (OUT == OUT_ADD_PENDING) pending[o] = to_pending(sum);   // the fused MLP adds to it
             }
             else if (OUT == OUT_SWIGLU) y[out0 + i] = swiglu(total, up);
             else y[out0 + i] = total;

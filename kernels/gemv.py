@@ -123,15 +123,16 @@ def can_refill(shape: GemvShape, config: GemvConfig) -> bool:
 
 
 def pending_variant(shape: GemvShape, config: GemvConfig) -> GemvConfig:
-    """The configuration in which a GEMV that reads the fused MLP's pending sums (shape.input
-    rmsnorm_pending or shape.output add_pending) runs a role tuned as `config`. Their eight int64 per
-    thread hold 16 more registers through the input's staging, and nvcc (sm_90) spills the q4/q8
-    kernels with the deepest rings: there the ring is shallower (R = 1: at most 3, R = 2: 1 deep), and
-    the o projection's R = 2 ring is not refilled."""
+    """The configuration in which a GEMV that reads the fused MLP's fixed-point residual (shape.input
+    rmsnorm_pending or shape.output add_pending) runs a role tuned as `config`. Its eight int64 per
+    thread hold 8 more registers through the input's staging than x does, and nvcc (sm_90) spills two
+    kinds of q4/q8 kernels: q4 R = 1 at depth 4 with its ring refilled after the products (depth 3
+    instead), and the o projection's R = 2 ring refilled during them (refilled after them instead)."""
     if shape.encoding == "f16":
         return config
-    if shape.input == "rmsnorm_pending":
-        config = replace(config, depth=min(config.depth, 3 if config.row_tiles == 1 else 1))
+    if shape.input == "rmsnorm_pending" and shape.encoding == "q4" and config.row_tiles == 1 \
+            and config.depth == 4 and not config.refill:
+        config = replace(config, depth=3)
     if shape.output == "add_pending" and config.row_tiles == 2:
         config = replace(config, refill=False)
     return config

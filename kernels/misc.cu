@@ -2,15 +2,16 @@
 // used by autotuning and --bench (a read-bandwidth probe and a GPU-side wait).
 #include "common.cuh"
 
-// x[k] = table[token][k] as float32, token read from the decode state; the fused MLP's pending sums
-// (mlp.cu), if any, are cleared with it.
+// x[k] = table[token][k] as float32, token read from the decode state; also into the fixed-point
+// residual of a fused step (mlp.cu `pending`), if any.
 extern "C" __global__ void embed(const void* __restrict__ table, int encoding, int cols_pad, int dim,
                       const int* __restrict__ state, float* __restrict__ x, long long* __restrict__ pending)
 {
     const size_t row = (size_t)state[STATE_TOKEN] * cols_pad;
     for (int k = blockIdx.x * blockDim.x + threadIdx.x; k < dim; k += gridDim.x * blockDim.x) {
-        x[k] = embedding_value(table, encoding, row + k);
-        if (pending != nullptr) pending[k] = 0;
+        const float value = embedding_value(table, encoding, row + k);
+        x[k] = value;
+        if (pending != nullptr) pending[k] = to_pending(value);
     }
 }
 

@@ -14,8 +14,8 @@ def compile_misc(compute_capability: int):
 
 
 def make_embed(mod, table, encoding: str, cols_pad: int, dim: int, state, x, pending=None) -> Launch:
-    """x = the embedding of the state's token; the fused MLP's pending sums (kernels/mlp.py), where
-    given, are cleared with it."""
+    """x = the embedding of the state's token, also written into the fixed-point residual of a fused
+    step (`pending`, kernels/mlp.py) where given."""
     if encoding not in EMBEDDING_ID:
         raise ValueError(f"no embedding kernel for encoding {encoding}")
     kernel = mod.get_function("embed")

@@ -4,8 +4,8 @@ NumPy reference.
 An MlpShape pairs the two GEMV shapes it replaces (the fused [gate; up] matrix with RMSNorm and
 SwiGLU, the down matrix); an MlpConfig is the tunable part (warps per block, ring depth, row tiles
 per item). The kernel
-adds its output to `pending` (int64 fixed point, common.cuh), which the next kernels fold into x:
-see mlp.cu.
+adds its output to `pending`, the residual held in int64 fixed point (common.cuh), which the GEMVs
+around it read and write: see mlp.cu.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ CLUSTER = 8                  # blocks per cluster (mlp.cu MLP_CLUSTER)
 TILES = 4                    # phase-1 tiles per block (mlp.cu T): 8 * TILES outputs
 SLICE = 8 * TILES * CLUSTER  # FFN columns per cluster
 MIN_COMPUTE_CAPABILITY = 90  # thread-block clusters
-PENDING_ONE = 2.0 ** 32      # the fixed point of the pending sums (common.cuh PENDING_ONE)
+PENDING_ONE = 2.0 ** 32      # the fixed point of the residual `pending` (common.cuh PENDING_ONE)
 
 
 @dataclass(frozen=True)

@@ -144,7 +144,7 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_token(
     int* __restrict__ out_tokens, int out_cap,  // [out_cap] by step; may be pinned host memory
     const void* __restrict__ emb_table, int emb_encoding, int emb_cols_pad, int dim,
     float* __restrict__ x,                 // the next step's input: the embedding of the chosen token
-    long long* __restrict__ pending)       // the fused MLP's sums (mlp.cu), cleared with x; or null
+    long long* __restrict__ pending)       // the residual in fixed point (mlp.cu), set with x; or null
 {
     TI_PROBE;
     pdl_wait();                            // logits come from the output GEMV
@@ -338,7 +338,8 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_token(
     // The next decode step starts from this token's embedding (no separate embedding launch).
     const size_t row = (size_t)token * emb_cols_pad;
     for (int k = threadIdx.x; k < dim; k += blockDim.x) {
-        x[k] = embedding_value(emb_table, emb_encoding, row + k);
-        if (pending != nullptr) pending[k] = 0;
+        const float value = embedding_value(emb_table, emb_encoding, row + k);
+        x[k] = value;
+        if (pending != nullptr) pending[k] = to_pending(value);
     }
 }

@@ -28,7 +28,7 @@ def compile_sampler(compute_capability: int):
 def make_sampler(mod, vocab: int, logits, params, uniforms, seen, scratch, state, out_tokens,
                  embedding, embedding_encoding: str, embedding_cols_pad: int, x, pending=None) -> Launch:
     """Pick the next token, feed it back through `state`, and write its embedding into x (clearing
-    the fused MLP's pending sums, kernels/mlp.py, where given).
+    the fixed-point residual of a fused step, kernels/mlp.py, where given).
 
     out_tokens[step] receives the token: a device array, or pinned host memory (a NumPy array from
     weights_upload.pinned_empty), which the kernel writes directly since pinned pointers are valid on

@@ -11,8 +11,9 @@ A decode step is a fixed sequence of kernel launches over buffers allocated once
     -> output GEMV (final RMSNorm fused) -> sampler (picks the token, embeds it into x)
 
 5 kernels per layer + 2, or 4 per layer where the tuner fuses the MLP (gate/up and down in one
-kernel of thread-block clusters, kernels/mlp.cu, Hopper): its sums then go to an int64 `pending`
-vector, which the next qkv GEMV and the output head read with x and the o projection folds into x.
+kernel of thread-block clusters, kernels/mlp.cu, Hopper): the residual is then also held in int64
+fixed point, `pending`, which the fused MLP adds to, the qkv GEMV and the output head normalise, and
+the o projection adds to (storing the sum in x as well, for the MLP's norm).
 The position, the current token and the step index live in a small device
 array that the kernels read and the sampler advances, so the whole step is captured once as a CUDA
 graph and replayed with no host work in between: the host launches several steps ahead and only
@@ -199,7 +200,7 @@ class CudaBackend(Backend):
         self.qkv = cp.zeros((self.n_heads + 2 * self.n_kv) * hd, dtype=cp.float32)
         self.attn = cp.zeros(self.n_heads * hd, dtype=cp.float32)
         self.ffn_hidden = cp.zeros(self.ffn, dtype=cp.float32)     # silu(gate) * up
-        self.pending = cp.zeros(self.dim, dtype=cp.int64)           # the fused MLP's sums (kernels/mlp.py)
+        self.pending = cp.zeros(self.dim, dtype=cp.int64)           # the residual in fixed point (kernels/mlp.py)
         self.logits = cp.zeros(self.vocab, dtype=cp.float32)
         self.k_cache = cp.zeros((self.n_layers, ctx, self.n_kv, hd), dtype=cp.float16)
         self.v_cache = cp.zeros((self.n_layers, ctx, self.n_kv, hd), dtype=cp.float16)
@@ -281,12 +282,12 @@ class CudaBackend(Backend):
         return self.launch_cache[key]
 
     def gemv_launch(self, role: str, layer: int, config: gemv_k.GemvConfig, pending: bool = False):
-        """pending: the variant that reads the fused MLP's pending sums (wqkv, wo and output only)."""
+        """pending: the variant that reads the fixed-point residual of a fused step (wqkv, wo and output only)."""
         return self.cached_launch(("gemv", role, layer, config, pending),
                                   lambda: self.make_gemv_launch(role, layer, config, pending))
 
     def pending_config(self, role: str, config: gemv_k.GemvConfig) -> gemv_k.GemvConfig:
-        """The role's configuration for its variant that reads the pending sums (gemv.pending_variant)."""
+        """The role's configuration for its variant that reads the fixed-point residual (gemv.pending_variant)."""
         return gemv_k.pending_variant(self.pending_shape(role), config)
 
     def pending_shape(self, role: str) -> gemv_k.GemvShape:
@@ -295,14 +296,14 @@ class CudaBackend(Backend):
             return replace(shape, output="add_pending")
         if role in ("wqkv", "output"):
             return replace(shape, input="rmsnorm_pending")
-        raise ValueError(f"the {role} GEMV does not read the pending sums")
+        raise ValueError(f"the {role} GEMV does not read the fixed-point residual")
 
     def make_gemv_launch(self, role: str, layer: int, config: gemv_k.GemvConfig, pending: bool = False):
         eps = float(self.config["norm_eps"])
         name = self.layer_shape(role, layer)
         shape = self.shapes[role]
         module = self.gemv_module
-        if pending:     # built on first use: only a fused step reads the pending sums
+        if pending:     # built on first use: only a fused step reads the fixed-point residual
             shape, config = self.pending_shape(role), self.pending_config(role, config)
             module = gemv_k.GemvModules([(shape, config)], self.compute_capability)
         if role == "wqkv":
