@@ -25,7 +25,8 @@
 // same total, so decoding stays bit-for-bit repeatable. The embedding and the sampler set it with x,
 // the o projection adds to it and stores the sum in both x (read here) and pending (gemv.cu
 // OUT_ADD_PENDING), and the qkv GEMV and the output head normalise it (IN_RMSNORM_PENDING): they
-// read 8 bytes per element instead of x and the MLP's sums, 12 (s18: TinyLlama q4 -1.6% per token).
+// read 8 bytes per element instead of x and the MLP's sums, 12 (H200, s18: TinyLlama q4 -1.7% per
+// token, f16 +0.9%; BENCHMARKS.md).
 //
 // Each warp's items (RT 16-row tiles x a chunk of CW columns, loaded as gemv.cu loads them) run
 // through one ring of DEPTH register slots across both phases, so phase 2's first weights are in
