@@ -260,9 +260,9 @@ def grid_units(tiles: int, resident_units: int, balanced: bool) -> int:
 def make_gemv(mod, shape: GemvShape, config: GemvConfig, weight, x, y, aux=None, eps: float = 0.0,
               name: str = "gemv", pending=None) -> Launch:
     """Launch computing y (+)= g(W f(x)). weight: CuPy uint8 array holding the tensor's bytes as
-    stored, rearranged by layout.block_in_place when shape.blocked. pending: the fused MLP's int64
-    sums (kernels/mlp.py), which the rmsnorm_pending input adds to x and the add_pending output
-    folds into y and clears.
+    stored, rearranged by layout.block_in_place when shape.blocked. pending: the residual in int64
+    fixed point of a fused step (kernels/mlp.py), which the rmsnorm_pending input normalises instead
+    of x and the add_pending output adds to, storing the sum into y and back into pending.
 
     The grid is persistent: as many blocks as stay resident (at most one per row tile, or one
     cluster of `split` blocks per row tile; grid_units)."""

@@ -27,7 +27,7 @@ def compile_sampler(compute_capability: int):
 
 def make_sampler(mod, vocab: int, logits, params, uniforms, seen, scratch, state, out_tokens,
                  embedding, embedding_encoding: str, embedding_cols_pad: int, x, pending=None) -> Launch:
-    """Pick the next token, feed it back through `state`, and write its embedding into x (clearing
+    """Pick the next token, feed it back through `state`, and write its embedding into x (and into
     the fixed-point residual of a fused step, kernels/mlp.py, where given).
 
     out_tokens[step] receives the token: a device array, or pinned host memory (a NumPy array from
