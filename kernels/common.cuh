@@ -274,6 +274,30 @@ TI_DEVICE float embedding_value(const void* table, int encoding, size_t index) {
 
 // Decode-step state shared by the kernels of one CUDA graph (read from device memory on every
 // replay, never baked into kernel arguments).
+// Greedy decoding's argmax folded into the output head (gemv.cu OUT_STORE_ARGMAX): a logit and its
+// row as one 64-bit key whose unsigned order is the sampler's choice, the larger value and then the
+// lower row, so blocks can fold their bests into one word with atomicMax in any order. -0 counts as
+// +0 (they compare equal); NaN is 0, the empty key, and never chosen, as the sampler's scan skips it.
+TI_DEVICE u64 argmax_key(float v, int row) {
+    if (v != v) return 0ull;
+    const u32 bits = v == 0.f ? 0u : __float_as_uint(v);
+    const u32 ordered = (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
+    return ((u64)ordered << 32) | (u64)(~(u32)row);
+}
+
+TI_DEVICE int argmax_key_row(u64 key) {
+    return (int)~(u32)key;
+}
+
+TI_DEVICE u64 warp_max_u64(u64 v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const u64 other = __shfl_xor_sync(0xffffffffu, v, o);
+        v = other > v ? other : v;
+    }
+    return v;
+}
+
 #define STATE_POS 0      // position of the token being processed
 #define STATE_TOKEN 1    // token being processed (the sampler writes the next one here)
 #define STATE_STEP 2     // index into the output token array

@@ -26,6 +26,9 @@
 // `pending`, which the fused MLP adds to with integer atomics: the input stage then normalises
 // pending instead of x (IN_RMSNORM_PENDING), and the o projection's epilogue adds to pending and
 // stores the sum both in x (which the fused MLP normalises) and in pending (OUT_ADD_PENDING).
+// The output head also folds greedy decoding's argmax into one 64-bit word (OUT_STORE_ARGMAX,
+// common.cuh argmax_key): each block keeps its best logit in warp 0 and ends with one atomicMax, so
+// the sampler reads one word instead of scanning the vocabulary (the sampler clears it).
 #include "common.cuh"
 
 #define W_F16 0
@@ -40,6 +43,7 @@
 #define OUT_ADD 1      // y[row] += W x
 #define OUT_ADD_PENDING 3   // y[row] = pending[row] + W x, and pending[row] = y[row] in fixed point (mlp.cu)
 #define OUT_SWIGLU 2   // W = [gate; up] (rows = 2F): y[i] = silu(gate_i x) * (up_i x), i < F
+#define OUT_STORE_ARGMAX 4  // y[row] = W x, and *best = max(*best, argmax_key(y[row], row)) (the output head)
 
 #define NL 2           // 16-byte loads per lane per row per chunk
 
@@ -424,7 +428,8 @@ __global__ void __launch_bounds__(WIDE ? 512 : 256, WIDE ? 1 : 2) gemv(
     const float* __restrict__ aux,           // IN_RMSNORM(_PENDING): norm weight [K]
     float eps,
     float* __restrict__ y,                   // output [rows] (OUT_SWIGLU: [rows / 2])
-    long long* __restrict__ pending)         // IN_RMSNORM_PENDING: [K]; OUT_ADD_PENDING: [rows]; else unused
+    long long* __restrict__ pending,         // IN_RMSNORM_PENDING: [K]; OUT_ADD_PENDING: [rows]; else unused
+    u64* __restrict__ best)                  // OUT_STORE_ARGMAX: the running argmax key; else unused
 {
     constexpr int KPL = Weights<WT>::KPL;
     constexpr int CW = NL * 4 * KPL;                          // k per chunk
@@ -432,6 +437,7 @@ __global__ void __launch_bounds__(WIDE ? 512 : 256, WIDE ? 1 : 2) gemv(
     static_assert(WT == W_F16 || G % KPL == 0, "a 16-byte load must stay inside one quantization group");
     static_assert(SPLIT == 1 || (SPLIT == 2 && IN == IN_PLAIN && OUT != OUT_SWIGLU), "split-K: plain inputs, 2 blocks");
     static_assert(DEPTH >= 1 && DEPTH <= 4, "ring depth: 1 to 4 items per warp");
+    static_assert(OUT != OUT_STORE_ARGMAX || RT <= 2, "the argmax: a tile's outputs in warp 0, one per lane");
 
     TI_PROBE;
     extern __shared__ __align__(16) unsigned char smem[];
@@ -616,6 +622,7 @@ __global__ void __launch_bounds__(WIDE ? 512 : 256, WIDE ? 1 : 2) gemv(
     TI_MARK(4);                        // the first ring slot's weights have landed (thread 0)
 
     int it = 0, slot = 0;      // items multiplied; the ring slot of the next one
+    u64 best_key = 0;          // OUT_STORE_ARGMAX: the best of this thread's outputs so far
     for (int ti = 0; ti < my_tiles; ++ti) {
         float acc[RT][2];
 #pragma unroll
@@ -688,7 +695,15 @@ __global__ void __launch_bounds__(WIDE ? 512 : 256, WIDE ? 1 : 2) gemv(
             }
             else if (OUT == OUT_SWIGLU) y[out0 + i] = swiglu(total, up);
             else y[out0 + i] = total;
+            if (OUT == OUT_STORE_ARGMAX) {
+                const u64 key = argmax_key(total, out0 + i);
+                best_key = key > best_key ? key : best_key;
+            }
         }
     }
     if (SPLIT > 1 && my_tiles == 0) cluster_wait();   // (the grid gives every cluster a tile)
+    if (OUT == OUT_STORE_ARGMAX && warp == 0) {
+        best_key = warp_max_u64(best_key);
+        if (lane == 0 && best_key != 0) atomicMax(best, best_key);
+    }
 }

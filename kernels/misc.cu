@@ -3,10 +3,13 @@
 #include "common.cuh"
 
 // x[k] = table[token][k] as float32, token read from the decode state; also into the fixed-point
-// residual of a fused step (mlp.cu `pending`), if any.
+// residual of a fused step (mlp.cu `pending`), if any. A step fed from here starts with the output
+// head's argmax key empty (`head_best`, sampling.cu), whatever ran the head alone before.
 extern "C" __global__ void embed(const void* __restrict__ table, int encoding, int cols_pad, int dim,
-                      const int* __restrict__ state, float* __restrict__ x, long long* __restrict__ pending)
+                      const int* __restrict__ state, float* __restrict__ x, long long* __restrict__ pending,
+                      u64* __restrict__ head_best)
 {
+    if (head_best != nullptr && blockIdx.x == 0 && threadIdx.x == 0) *head_best = 0ull;
     const size_t row = (size_t)state[STATE_TOKEN] * cols_pad;
     for (int k = blockIdx.x * blockDim.x + threadIdx.x; k < dim; k += gridDim.x * blockDim.x) {
         const float value = embedding_value(table, encoding, row + k);

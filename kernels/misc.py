@@ -13,14 +13,15 @@ def compile_misc(compute_capability: int):
     return module("misc.cu", (), compute_capability)
 
 
-def make_embed(mod, table, encoding: str, cols_pad: int, dim: int, state, x, pending=None) -> Launch:
+def make_embed(mod, table, encoding: str, cols_pad: int, dim: int, state, x, pending=None, head_best=None) -> Launch:
     """x = the embedding of the state's token, also written into the fixed-point residual of a fused
-    step (`pending`, kernels/mlp.py) where given."""
+    step (`pending`, kernels/mlp.py) where given; head_best, the output head's argmax key
+    (kernels/sampling.py), is cleared where given."""
     if encoding not in EMBEDDING_ID:
         raise ValueError(f"no embedding kernel for encoding {encoding}")
     kernel = mod.get_function("embed")
     args = (table, np.int32(EMBEDDING_ID[encoding]), np.int32(cols_pad), np.int32(dim), state, x,
-            pending if pending is not None else np.uint64(0))
+            pending if pending is not None else np.uint64(0), head_best if head_best is not None else np.uint64(0))
     itemsize = 4 if encoding == "f32" else 2
     return Launch("embed", kernel, (max(1, min(64, -(-dim // 256))),), (256,), args, 0, bytes_read=dim * itemsize)
 

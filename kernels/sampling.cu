@@ -2,7 +2,9 @@
 // tinyinfer.runtime.sampling.sample() defines it, then feed it back (state[TOKEN]), append it to
 // the output array and advance the position, so the next graph replay needs nothing from the host.
 //
-// One block of 1024 threads. Greedy without repetition penalty is one argmax pass. Otherwise the
+// One block of 1024 threads. Greedy without repetition penalty is one argmax pass, or none where the
+// output head folded the argmax into `head_best` (gemv.cu OUT_STORE_ARGMAX: one 64-bit word, which this
+// kernel reads and clears for the next step whatever it samples; H200, BENCHMARKS.md s19). Otherwise the
 // steps of sample() run in float64 like the reference: penalty -> (greedy) -> / temperature ->
 // top-k (radix select of the k-th largest value) -> softmax -> top-p (radix descent on the
 // probabilities' bit patterns with per-bin probability sums; ties at the cut kept in id order) ->
@@ -144,11 +146,18 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_token(
     int* __restrict__ out_tokens, int out_cap,  // [out_cap] by step; may be pinned host memory
     const void* __restrict__ emb_table, int emb_encoding, int emb_cols_pad, int dim,
     float* __restrict__ x,                 // the next step's input: the embedding of the chosen token
-    long long* __restrict__ pending)       // the residual in fixed point (mlp.cu), set with x; or null
+    long long* __restrict__ pending,       // the residual in fixed point (mlp.cu), set with x; or null
+    u64* __restrict__ head_best)           // the output head's argmax key (common.cuh argmax_key); or null
 {
     TI_PROBE;
     pdl_wait();                            // logits come from the output GEMV
     TI_MARK(1);
+    __shared__ u64 best_key;
+    if (threadIdx.x == 0) {
+        best_key = head_best != nullptr ? __ldcg(head_best) : 0ull;
+        if (head_best != nullptr) *head_best = 0ull;   // empty for the next step's head
+    }
+    __syncthreads();
     __shared__ double scratch_d[32];
     __shared__ ArgBest scratch_a[32];
     __shared__ u32 hist[256];
@@ -165,7 +174,10 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_token(
 
     // 1. repetition penalty, 2. greedy, 3. temperature (values kept in xs for later passes).
     ArgBest best = {-TI_INF, 0x7fffffff};
-    if (temperature == 0.0 && !penalise && (vocab & 3) == 0) {
+    const bool greedy = temperature == 0.0 && !penalise;
+    if (greedy && best_key != 0ull) {
+        best.index = argmax_key_row(best_key);   // the head's fold: no pass over the logits
+    } else if (greedy && (vocab & 3) == 0) {
         // Plain greedy: an argmax with 16-byte loads, eight in flight per thread, compared as
         // float (exactly as in double, without a conversion per logit); a thread visits its ids in
         // increasing order, so the strict > keeps the lowest id of equal values.
@@ -207,7 +219,7 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_token(
             best = better(best, ArgBest{x, i});
         }
     }
-    best = block_argmax(best, scratch_a);
+    if (!(greedy && best_key != 0ull)) best = block_argmax(best, scratch_a);
     TI_MARK(2);                            // the (penalised, scaled) argmax
     int token = best.index < vocab ? best.index : 0;
 

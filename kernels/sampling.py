@@ -26,9 +26,14 @@ def compile_sampler(compute_capability: int):
 
 
 def make_sampler(mod, vocab: int, logits, params, uniforms, seen, scratch, state, out_tokens,
-                 embedding, embedding_encoding: str, embedding_cols_pad: int, x, pending=None) -> Launch:
+                 embedding, embedding_encoding: str, embedding_cols_pad: int, x, pending=None,
+                 head_best=None) -> Launch:
     """Pick the next token, feed it back through `state`, and write its embedding into x (and into
     the fixed-point residual of a fused step, kernels/mlp.py, where given).
+
+    head_best: the uint64 word into which the output head folded the greedy argmax (gemv "store_argmax"),
+    or None. Greedy decoding without a repetition penalty then takes the token from it instead of
+    scanning the logits; the kernel clears it for the next step in every mode.
 
     out_tokens[step] receives the token: a device array, or pinned host memory (a NumPy array from
     weights_upload.pinned_empty), which the kernel writes directly since pinned pointers are valid on
@@ -39,5 +44,6 @@ def make_sampler(mod, vocab: int, logits, params, uniforms, seen, scratch, state
     tokens = np.uint64(out_tokens.ctypes.data) if isinstance(out_tokens, np.ndarray) else out_tokens
     args = (logits, np.int32(vocab), params, uniforms, np.int32(uniforms.size), seen, scratch, state,
             tokens, np.int32(out_tokens.size), embedding, np.int32(EMBEDDING_ID[embedding_encoding]),
-            np.int32(embedding_cols_pad), np.int32(x.size), x, pending if pending is not None else np.uint64(0))
+            np.int32(embedding_cols_pad), np.int32(x.size), x, pending if pending is not None else np.uint64(0),
+            head_best if head_best is not None else np.uint64(0))
     return Launch("sample+embed", kernel, (1,), (THREADS,), args, 0, bytes_read=4 * vocab, waits=True)

@@ -8,7 +8,8 @@ A decode step is a fixed sequence of kernel launches over buffers allocated once
                 o GEMV (+= residual)
                 gate/up GEMV (RMSNorm fused; its epilogue writes silu(gate) * up)
                 down GEMV (+= residual) ]
-    -> output GEMV (final RMSNorm fused) -> sampler (picks the token, embeds it into x)
+    -> output GEMV (final RMSNorm fused; folds the greedy argmax into one word, `head_best`)
+    -> sampler (picks the token, from that word when greedy, and embeds it into x)
 
 5 kernels per layer + 2, or 4 per layer where the tuner fuses the MLP (gate/up and down in one
 kernel of thread-block clusters, kernels/mlp.cu, Hopper): the residual is then also held in int64
@@ -202,6 +203,7 @@ class CudaBackend(Backend):
         self.ffn_hidden = cp.zeros(self.ffn, dtype=cp.float32)     # silu(gate) * up
         self.pending = cp.zeros(self.dim, dtype=cp.int64)           # the residual in fixed point (kernels/mlp.py)
         self.logits = cp.zeros(self.vocab, dtype=cp.float32)
+        self.head_best = cp.zeros(1, dtype=cp.uint64)     # the head's greedy argmax for the sampler (gemv.cu)
         self.k_cache = cp.zeros((self.n_layers, ctx, self.n_kv, hd), dtype=cp.float16)
         self.v_cache = cp.zeros((self.n_layers, ctx, self.n_kv, hd), dtype=cp.float16)
         cos, sin = ref.rope_tables(hd, ctx, c["rope_theta"], c.get("rope_scaling"))
@@ -228,7 +230,7 @@ class CudaBackend(Backend):
             "wo": gemv_k.shape_of(info("layers.0.wo"), "plain", "add"),
             "w_gate_up": gemv_k.shape_of(info("layers.0.w_gate_up"), "rmsnorm", "swiglu"),
             "w_down": gemv_k.shape_of(info("layers.0.w_down"), "plain", "add"),
-            "output": gemv_k.shape_of(info("output"), "rmsnorm", "store"),
+            "output": gemv_k.shape_of(info("output"), "rmsnorm", "store_argmax"),
         }
 
     def mlp_shape(self):
@@ -317,7 +319,8 @@ class CudaBackend(Backend):
         else:
             x, y, aux = self.x, self.logits, self.f32_view("norm")
         return gemv_k.make_gemv(module, shape, config, self.view(name), x, y, aux, eps, name=f"gemv {role}",
-                                pending=self.pending if pending else None)
+                                pending=self.pending if pending else None,
+                                best=self.head_best if shape.output == "store_argmax" else None)
 
     def mlp_launch(self, layer: int, config: mlp_k.MlpConfig):
         return self.cached_launch(("mlp", layer, config), lambda: mlp_k.make_mlp(
@@ -340,14 +343,15 @@ class CudaBackend(Backend):
         info = self.tinf.info("tok_embeddings")
         cols_pad = padded_cols(info.encoding, self.dim, None)
         return misc_k.make_embed(self.misc_module, self.view("tok_embeddings"), info.encoding, cols_pad, self.dim,
-                                 self.state, self.x, self.pending)
+                                 self.state, self.x, self.pending, self.head_best)
 
     def sampler_launch(self):
         info = self.tinf.info("tok_embeddings")
         return sample_k.make_sampler(self.sample_module, self.vocab, self.logits, self.params, self.uniforms,
                                      self.seen, self.sample_scratch, self.state, self.out_tokens,
                                      self.view("tok_embeddings"), info.encoding,
-                                     padded_cols(info.encoding, self.dim, None), self.x, self.pending)
+                                     padded_cols(info.encoding, self.dim, None), self.x, self.pending,
+                                     self.head_best)
 
     def build_step(self, tuning: dict) -> list:
         """One token: the layers, the output head and the sampler (which also embeds the token it

@@ -18,7 +18,7 @@ from tinyinfer.kernels.build import SOURCES, source_text
 
 NVCC = shutil.which("nvcc")
 ARCHES = ["sm_75", "sm_86", "sm_90"]
-GEMV_ARGS = "(const unsigned char*, const __half*, int, int, int, const float*, const float*, float, float*, long long*)"
+GEMV_ARGS = "(const unsigned char*, const __half*, int, int, int, const float*, const float*, float, float*, long long*, unsigned long long*)"
 MLP_ARGS = ("(const unsigned char*, const __half*, const unsigned char*, const __half*, int, int, int, int, const float*, "
             "const float*, float, long long*)")
 # (encoding, group, row tiles, input, output, split, ring depth, refill, blocked, wide): every encoding and
@@ -54,7 +54,13 @@ GEMV_INSTANCES = [("W_F16", 0, 1, "IN_RMSNORM", "OUT_STORE", 1, 4, 0, 1, 0), ("W
                   ("W_F16", 0, 2, "IN_RMSNORM_PENDING", "OUT_STORE", 1, 2, 1, 1, 1),
                   ("W_Q4", 64, 1, "IN_PLAIN", "OUT_ADD_PENDING", 2, 4, 1, 1, 0),
                   ("W_Q4", 64, 2, "IN_PLAIN", "OUT_ADD_PENDING", 2, 2, 0, 1, 0),
-                  ("W_F16", 0, 2, "IN_PLAIN", "OUT_ADD_PENDING", 1, 2, 1, 1, 1)]
+                  ("W_F16", 0, 2, "IN_PLAIN", "OUT_ADD_PENDING", 1, 2, 1, 1, 1),
+                  ("W_Q4", 64, 2, "IN_RMSNORM_PENDING", "OUT_STORE_ARGMAX", 1, 2, 1, 1, 0),
+                  ("W_Q4", 64, 2, "IN_RMSNORM_PENDING", "OUT_STORE_ARGMAX", 1, 1, 0, 1, 0),
+                  ("W_Q4", 64, 1, "IN_RMSNORM_PENDING", "OUT_STORE_ARGMAX", 1, 3, 0, 1, 1),
+                  ("W_Q8", 64, 2, "IN_RMSNORM_PENDING", "OUT_STORE_ARGMAX", 1, 2, 0, 1, 1),
+                  ("W_F16", 0, 2, "IN_RMSNORM", "OUT_STORE_ARGMAX", 1, 2, 1, 1, 1),
+                  ("W_Q4", 64, 1, "IN_RMSNORM", "OUT_STORE_ARGMAX", 1, 4, 1, 1, 0)]
 # The fused MLP (mlp.cu: encoding, group, tiles, row tiles, ring depth, wide): every encoding, the
 # shallowest and deepest rings the tuner tries (mlp.CANDIDATES), both row tiles, and 16 warps.
 MLP_INSTANCES = [(e, g, 4, rt, d, w) for e, g in [("W_F16", 0), ("W_Q8", 64), ("W_Q4", 64)] for rt in (1, 2)
@@ -228,7 +234,8 @@ def test_kernel_compiles_with_nvrtc(name, cc):
                     for depth in (min(STEP_DEPTHS[rt]), max(STEP_DEPTHS[rt]))
                     for i, o, split in [("rmsnorm", "store", 1), ("plain", "add", 1), ("rmsnorm", "swiglu", 1),
                                         ("plain", "add", 2), ("rmsnorm_pending", "store", 1),
-                                        ("plain", "add_pending", 2)]],
+                                        ("plain", "add_pending", 2), ("rmsnorm", "store_argmax", 1),
+                                        ("rmsnorm_pending", "store_argmax", 1)]],
         "mlp.cu": [mlp.name_expression(mlp.MlpShape(GemvShape(e, g, 512, 256, 256, "rmsnorm", "swiglu"),
                                                     GemvShape(e, g, 256, 256, 256, "plain", "add")), config)
                    for e, g in [("q4", 64), ("q8", 32), ("f16", 0)] for config in mlp.CANDIDATES],

@@ -197,6 +197,43 @@ def test_gemv_quantized_by_the_format_encoder(cupy_gpu, cc):
         assert error <= MAX_ERROR, f"{encoding}: {error:.2e}"
 
 
+# (rows, cols): TinyLlama's output head, and an odd head (rows not a multiple of 16, several tiles per block).
+ARGMAX_SHAPES = {"tinyllama-head": (32000, 2048), "odd": (1001, 264)}
+
+
+@pytest.mark.parametrize("encoding", ["f16", "q8", "q4"])
+@pytest.mark.parametrize("name", list(ARGMAX_SHAPES))
+def test_gemv_folds_the_greedy_argmax(cupy_gpu, cc, encoding, name):
+    """The output head's store_argmax: y as the reference, and the uint64 word is the argmax of the
+    y it stored, the lowest row among equal values. Rows repeat in runs of 7 (identical codes give
+    identical outputs), so the largest value lies in several rows, across tiles and blocks."""
+    from tinyinfer.formats import encode
+
+    cp = cupy_gpu
+    rng = np.random.default_rng(zlib.crc32(f"argmax{encoding}{name}".encode()))
+    rows, cols = ARGMAX_SHAPES[name]
+    base = rng.standard_normal((-(-rows // 7), cols)).astype(np.float32) / np.sqrt(cols)
+    tensor = encode(np.repeat(base, 7, axis=0)[:rows], encoding, 64)
+    shape = gemv_k.shape_of(tensor, "rmsnorm", "store_argmax")
+    configs = gemv_k.configs_for(shape, cc)
+    mod = gemv_k.compile_gemvs([(shape, c) for c in configs], cc)
+    weights = cp.asarray(device_bytes(tensor, shape))
+    best = cp.zeros(1, dtype=cp.uint64)
+    for config in configs:
+        x = rng.standard_normal(cols).astype(np.float32)
+        aux = (1 + 0.1 * rng.standard_normal(cols)).astype(np.float32)
+        y = cp.full(rows, np.nan, dtype=cp.float32)
+        best.fill(0)
+        gemv_k.make_gemv(mod, shape, config, weights, cp.asarray(x), y, cp.asarray(aux), 1e-5, best=best)()
+        got = y.get()
+        error = relative_error(got, gemv_k.gemv_reference(tensor, x, "rmsnorm", aux, 1e-5))
+        assert error <= MAX_ERROR, f"{encoding} {name} {config.label}: {error:.2e}"
+        key = int(best.get()[0])
+        top = int(np.argmax(got))
+        assert key == gemv_k.argmax_key(got) and gemv_k.argmax_row(key) == top, f"{config.label}: row {top}"
+        assert top % 7 == 0 and got[top + 1] == got[top], "the largest value in a run of rows, its first found"
+
+
 # ---------------------------------------------------------------------------------------- attention
 
 ATTENTION_SHAPES = {   # (n_heads, n_kv_heads, head_dim)
@@ -267,8 +304,9 @@ def test_attention_matches_reference(cupy_gpu, cc, name, cluster, threads, kerne
 
 # ----------------------------------------------------------------------------------------- sampling
 
-def run_sampler(cp, cc, logits, params, history, uniforms, step=0, host_tokens=False):
-    """host_tokens: the tokens go to pinned host memory, as in the decode engine."""
+def run_sampler(cp, cc, logits, params, history, uniforms, step=0, host_tokens=False, head_best=None):
+    """host_tokens: the tokens go to pinned host memory, as in the decode engine. head_best: the
+    output head's argmax word (a uint64 CuPy array) or None."""
     from tinyinfer.runtime.weights_upload import pinned_empty
 
     vocab = logits.size
@@ -286,7 +324,8 @@ def run_sampler(cp, cc, logits, params, history, uniforms, step=0, host_tokens=F
     x = cp.full(72, np.nan, dtype=cp.float32)
     launch = sample_k.make_sampler(mod, vocab, cp.asarray(logits), cp.asarray(sample_k.params_array(params)),
                                    cp.asarray(np.asarray(uniforms, np.float64)), seen_dev,
-                                   cp.zeros(vocab, cp.float64), state, out_tokens, cp.asarray(table), "f16", 72, x)
+                                   cp.zeros(vocab, cp.float64), state, out_tokens, cp.asarray(table), "f16", 72, x,
+                                   head_best=head_best)
     launch()
     token = int(state.get()[1])
     np.testing.assert_array_equal(x.get(), table[token].astype(np.float32))   # the chosen token, embedded
@@ -340,6 +379,27 @@ def test_greedy_lowest_index_wins_ties(cupy_gpu, cc):
     logits[[7, 123, 31999]] = 5.0
     state, _, _ = run_sampler(cupy_gpu, cc, logits, SamplingParams(), [], [0.5])
     assert state[1] == 7
+
+
+@pytest.mark.parametrize("params", [SamplingParams(), SAMPLING[0], SAMPLING[2]], ids=str)
+def test_sampler_takes_greedy_tokens_from_the_heads_argmax(cupy_gpu, cc, params):
+    """Greedy without a penalty takes the token from the output head's argmax word (which names a row
+    other than the logits' argmax here, to tell the two apart); other modes sample from the logits.
+    Every mode clears the word for the next step."""
+    cp = cupy_gpu
+    rng = np.random.default_rng(zlib.crc32(str(params).encode()))
+    logits = (3 * rng.standard_normal(32000)).astype(np.float32)
+    folded = int(np.argmin(logits))
+    word = np.zeros(32000, np.float32)
+    word[folded] = 1.0
+    head_best = cp.asarray(np.array([gemv_k.argmax_key(word)], np.uint64))
+    u = rng.random()
+    state, _, _ = run_sampler(cupy_gpu, cc, logits, params, [], [u], head_best=head_best)
+    uses_word = params.temperature == 0 and params.repetition_penalty == 1.0
+    assert state[1] == (folded if uses_word else sample(logits, params, [], u))
+    assert int(head_best.get()[0]) == 0
+    state, _, _ = run_sampler(cupy_gpu, cc, logits, params, [], [u], head_best=head_best)   # an empty word: scan
+    assert state[1] == sample(logits, params, [], u)
 
 
 # ----------------------------------------------------------------------------------- small kernels

@@ -94,7 +94,7 @@ def test_fused_mlp_is_repeatable_bit_for_bit(cupy_gpu, cc):
 # (input, output, rows, cols): TinyLlama's qkv GEMV and output head (several tiles per block: the
 # staging then takes the norm weight early for blocks of 4 warps), Llama-2-7B's qkv GEMV (two groups
 # of x per thread), the o projections.
-PENDING_READERS = [("rmsnorm_pending", "store", 2560, 2048), ("rmsnorm_pending", "store", 32000, 2048),
+PENDING_READERS = [("rmsnorm_pending", "store", 2560, 2048), ("rmsnorm_pending", "store_argmax", 32000, 2048),
                    ("rmsnorm_pending", "store", 12288, 4096), ("plain", "add_pending", 2048, 2048),
                    ("plain", "add_pending", 4096, 4096)]
 
@@ -103,7 +103,8 @@ PENDING_READERS = [("rmsnorm_pending", "store", 2560, 2048), ("rmsnorm_pending",
 @pytest.mark.parametrize("input,output,rows,cols", PENDING_READERS)
 def test_gemv_reading_the_pending_sums(cupy_gpu, cc, encoding, input, output, rows, cols):
     """rmsnorm_pending normalises the fixed-point residual (not x); add_pending stores the residual +
-    W x into y and, in fixed point, into pending (y's old value is not read).
+    W x into y and, in fixed point, into pending (y's old value is not read); the output head's
+    store_argmax also folds y's argmax into its word.
     Every tuning candidate as the backend runs it (gemv.pending_variant; the staging paths differ by
     block width)."""
     cp = cupy_gpu
@@ -115,9 +116,10 @@ def test_gemv_reading_the_pending_sums(cupy_gpu, cc, encoding, input, output, ro
     weights = cp.asarray(device_bytes(tensor, shape))
     for config in configs:
         x = rng.standard_normal(cols).astype(np.float32)
-        start = as_pending(rng.standard_normal(cols if output == "store" else rows))
+        start = as_pending(rng.standard_normal(rows if output == "add_pending" else cols))
         pending = cp.asarray(start)
-        if output == "store":
+        best = cp.zeros(1, dtype=cp.uint64) if output == "store_argmax" else None
+        if output != "add_pending":
             aux = (1 + 0.1 * rng.standard_normal(cols)).astype(np.float32)
             y = cp.full(rows, np.nan, dtype=cp.float32)
             expected = gemv_k.gemv_reference(tensor, from_pending(start), "rmsnorm", aux, 1e-5)
@@ -125,9 +127,11 @@ def test_gemv_reading_the_pending_sums(cupy_gpu, cc, encoding, input, output, ro
         else:
             aux, y = None, cp.full(rows, np.nan, dtype=cp.float32)
             expected = gemv_k.gemv_reference(tensor, x, "plain", None, 0.0, from_pending(start), "add")
-        gemv_k.make_gemv(mod, shape, config, weights, cp.asarray(x), y, aux, 1e-5, pending=pending)()
+        gemv_k.make_gemv(mod, shape, config, weights, cp.asarray(x), y, aux, 1e-5, pending=pending, best=best)()
         error = relative_error(y.get(), expected)
         assert error <= MAX_ERROR, f"{encoding} {input}>{output} {config.label}: {error:.2e}"
+        if best is not None:
+            assert int(best.get()[0]) == gemv_k.argmax_key(y.get()), f"{config.label}: the argmax word"
         if output == "add_pending":
             assert np.array_equal(pending.get(), as_pending(y.get())), "the residual, also in fixed point"
         else:
