@@ -103,7 +103,8 @@ def block_linears(tinf, view, xp) -> None:
 class CudaBackend(Backend):
     launch_cache = None      # {key: Launch} while loading, see __init__
     last_step_us = None      # the tuner's latest step timing (step_us)
-    joint_moves = {}         # the tuner's last stage: {move: us per step} (autotune.moves_in_step)
+    joint_moves = {}         # the tuner's joint moves: {move: us per step} (autotune.moves_in_step)
+    fused_trials = {}        # its last stage: role -> {config: us per fused step} (fused_reader_options)
 
     def __init__(self, tinf_file, verbose: bool = False, max_context: int | None = None):
         import cupy as cp
@@ -457,6 +458,15 @@ class CudaBackend(Backend):
         moves = self.neighbour_moves(best) + self.wide_moves(best)
         best, self.joint_moves = autotune.moves_in_step(best, moves, self.step_us)
         best = self.fusion_contest(best)
+        # Last, where the MLP is fused: the GEMVs that then read the fixed-point residual, timed in
+        # the fused step (their stages above ran in the unfused one), the output head first.
+        if best.get("mlp") is not None:
+            options = {role: self.fused_reader_options(role, best[role]) for role in ("output", "wqkv", "wo")}
+            build.compile_all(gemv_k.GemvModules(
+                [(self.pending_shape(r), self.pending_config(r, c)) for r, cs in options.items() for c in cs],
+                self.compute_capability).modules)
+            best, self.fused_trials = autotune.variants_in_step(best, {r: o for r, o in options.items() if o},
+                                                                self.step_us)
         self.tuning_source = "measured"
         autotune.save_cached(key, {role: config.as_dict() for role, config in best.items()},
                              {"gpu": self.gpu_name, "compute_capability": self.compute_capability,
@@ -487,6 +497,31 @@ class CudaBackend(Backend):
         self.step_contests["mlp"] = times
         fused = min(candidates, key=times.get)
         return {**best, "mlp": fused} if times[fused] < times[None] * (1 - autotune.STEP_MARGIN) else best
+
+    def fused_reader_options(self, role: str, chosen: gemv_k.GemvConfig) -> list:
+        """What the tuner's last stage tries for a GEMV that reads the fused step's fixed-point
+        residual (wqkv, wo, output): the chosen configuration with the other grid and, for the
+        output head, every configuration that tied with it alone (autotune.TIE), at each depth,
+        with either grid. Only options that run a different kernel or grid there (pending_config).
+        The head is the one whose earlier stages skip (its depth moved the unfused step by less
+        than the noise), and in the fused step it moved it most: on one H200, TinyLlama q4 404.2 ->
+        401.7 us per token from R2/w8/d2 to d1 with the balanced grid, and fresh tunings that gave
+        the head's tie between 4 and 8 warps to 4 stepped 1% slower (BENCHMARKS.md s19)."""
+        shape = self.shapes[role]
+        tried = [chosen]
+        if role == "output":
+            alone = self.tuning_times.get(role, {})
+            tied = [c for c, us in alone.items() if us <= min(alone.values()) * (1 + autotune.TIE)] if alone else []
+            tried += [v for c in tied for v in gemv_k.depth_variants(shape, c)]
+        tried += [replace(c, balanced=not c.balanced) for c in tried]
+        options, seen = [], {}
+        for config in tried:
+            kernel = replace(self.pending_config(role, config), balanced=False)     # the grid tells that apart
+            runs = (kernel, self.gemv_launch(role, 0, config).grid)
+            if runs not in seen:
+                seen[runs] = config
+                options.append(config)
+        return options[1:]
 
     def depth_options(self, role: str, chosen: gemv_k.GemvConfig) -> list:
         """The configurations the depth stage tries for a role: the chosen one and, unless it lost by
@@ -605,6 +640,9 @@ class CudaBackend(Backend):
             lines.append("  joint moves in the whole step: " + ", ".join(
                 " + ".join(f"{role} {c.label}" for role, c in move) + f" {us:.1f}"
                 for move, us in self.joint_moves.items()) + " us per token")
+        for role, times in self.fused_trials.items():
+            lines.append(f"  {role} in the fused step: " + ", ".join(f"{c.label} {us:.1f}" for c, us in times.items())
+                         + " us per token")
         return "\n".join(lines)
 
     # ------------------------------------------------------------------------------ running

@@ -583,6 +583,37 @@ def test_the_grid_stage_tries_the_other_grid_where_it_differs():
     assert CudaBackend.grid_options(fake, "wo", C(1, 8, 1, 4)) == []       # one round of 256 tiles either way
 
 
+def test_the_fused_step_retries_the_gemvs_that_read_the_residual():
+    """CudaBackend.fused_reader_options (the tuner's last stage where the MLP is fused): the other grid
+    of the chosen configuration where it differs, and for the output head also every configuration
+    tied with it alone (autotune.TIE) at each depth; options that run the same kernel and grid in the
+    fused step (gemv.pending_variant) are tried once, the chosen one not at all."""
+    from types import SimpleNamespace
+
+    from tinyinfer.runtime.cuda_backend import CudaBackend
+
+    C = gemv_k.GemvConfig
+    shapes = {"wqkv": gemv_k.GemvShape("q4", 64, 2560, 2048, 2048, "rmsnorm", "store"),
+              "output": gemv_k.GemvShape("q4", 64, 32000, 2048, 2048, "rmsnorm", "store_argmax")}
+    slots = {4: 528, 8: 264, 16: 132}          # resident blocks by warps (two per SM at 8)
+    fake = SimpleNamespace(
+        shapes=shapes,
+        tuning_times={"output": {C(2, 4): 17.0, C(2, 8): 17.3, C(2, 16): 17.5, C(1, 8): 18.0}},
+        pending_config=lambda role, c: gemv_k.pending_variant(replace(shapes[role], input="rmsnorm_pending"), c))
+    fake.gemv_launch = lambda role, layer, c: SimpleNamespace(grid=(gemv_k.grid_units(
+        -(-gemv_k.output_rows(fake.shapes[role]) // (16 * c.row_tiles)), slots[c.warps], c.balanced),))
+    head = CudaBackend.fused_reader_options(fake, "output", C(2, 4, depth=2))
+    assert C(2, 4, depth=2) not in head and len(head) == len(set(head))
+    assert {(c.warps, c.depth, c.balanced) for c in head} == {
+        (4, 1, False), (4, 1, True), (4, 2, True), (8, 1, False), (8, 1, True), (8, 2, False), (8, 2, True),
+        (16, 1, False), (16, 1, True), (16, 2, False), (16, 2, True)}      # R = 1 is 5.9% behind alone: not tied
+    # wqkv: 160 tiles at R = 1 fill fewer than 264 slots, so the other grid is the same launch
+    assert CudaBackend.fused_reader_options(fake, "wqkv", C(1, 8, depth=4)) == []
+    assert CudaBackend.fused_reader_options(fake, "wqkv", C(2, 4, depth=2)) == []
+    fake.shapes = {**shapes, "wqkv": replace(shapes["wqkv"], rows=2560 * 4)}   # 640 tiles: two rounds of 528
+    assert CudaBackend.fused_reader_options(fake, "wqkv", C(1, 4, depth=4)) == [C(1, 4, depth=4, balanced=True)]
+
+
 def test_replay_timing_launches_the_graph_n_times_between_two_events():
     """CudaBackend.replay_us (the step contests and bench's graph time) with a stand-in stream."""
     from types import SimpleNamespace
