@@ -102,20 +102,26 @@ STEP_MARGIN = 0.005
 
 
 def step_contest(chosen, times: dict):
-    """(incumbent, challenger) to settle in the whole decode step, or None.
+    """(incumbent, challengers) to settle in the whole decode step, or None.
 
     Kernels timed alone mislead in two known ways (H200): a split-K cluster can win alone and still
     slow the step (TinyLlama q4's down projection: 11% faster alone, 1.4% slower in the step: its
     second block per tile takes register-file room the next kernel's early blocks would use), so an
     unsplit configuration is the incumbent against it; and a tie given to fewer row tiles can cost
     the step (Llama-2-7B q4's gate/up: R = 1 and R = 2 within 3% alone, R = 2 3.2% faster in the
-    step), so the fastest configuration alone challenges the tie's winner. A wide block (16 warps)
-    is held to the same test as split-K: alone, TinyLlama q4's o projection was fastest with R = 1 in
-    wide blocks, which made the step 10% slower."""
+    step), so every configuration tied with the fastest alone (TIE) challenges the tie's winner. A
+    wide block (16 warps) is held to the same test as split-K: alone, TinyLlama q4's o projection was
+    fastest with R = 1 in wide blocks, which made the step 10% slower. (With only the tie's winner
+    and the fastest alone in the contest, one fresh TinyLlama f16 tuning in five gave the o
+    projection's tie between R = 2 and R = 1 wide blocks to R = 1, which lost to 8 warps in the step,
+    and never tried R = 2 there: 2% slower per token, BENCHMARKS.md s19.)"""
+    fastest = min(times.values())
+    tied = sorted((c for c, us in times.items() if us <= fastest * (1 + TIE)), key=times.get)
+    incumbent = chosen
     if chosen.split > 1 or chosen.wide:
-        return pick({c: us for c, us in times.items() if c.split == 1 and not c.wide}), chosen
-    fastest = min(times, key=times.get)
-    return (chosen, fastest) if fastest != chosen else None
+        incumbent = pick({c: us for c, us in times.items() if c.split == 1 and not c.wide})
+    challengers = [c for c in dict.fromkeys([chosen, *tied]) if c != incumbent]
+    return (incumbent, challengers) if challengers else None
 
 
 # A contest's loser is tried again (at other depths, then with its neighbour's depths) only while its
@@ -144,12 +150,13 @@ def confirm_in_step(best: dict, timings: dict, step_us, rounds: int = 1) -> tupl
         contest = step_contest(best[role], timings.get(role, {})) if timings.get(role) else None
         if contest is None:
             continue
-        incumbent, challenger = contest
-        times = {incumbent: [], challenger: []}
-        for _ in range(rounds):                         # alternated, so drifts hit both alike
+        incumbent, challengers = contest
+        times = {config: [] for config in [incumbent, *challengers]}
+        for _ in range(rounds):                         # alternated, so drifts hit all alike
             for config in times:
                 times[config].append(step_us({**best, role: config}))
         held[role] = {config: min(us) for config, us in times.items()}
+        challenger = min(challengers, key=held[role].get)
         wins = held[role][challenger] < held[role][incumbent] * (1 - STEP_MARGIN)
         best = {**best, role: challenger if wins else incumbent}
     return best, held

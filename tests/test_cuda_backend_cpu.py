@@ -325,13 +325,20 @@ def test_picks_timing_alone_cannot_settle_are_settled_in_the_whole_step():
                "wo": {C(1, 8, 2): 4.0, C(2, 8): 5.0, C(1, 8): 5.05, C(1, 4): 6.0},
                "w_gate_up": {C(2, 8): 17.9, C(1, 8): 18.3},                 # a tie given to fewer row tiles
                "w_down": {C(1, 8, 2): 5.5, C(1, 8): 6.2}}
-    assert autotune.step_contest(best["wo"], timings["wo"]) == (C(1, 8), C(1, 8, 2))   # unsplit: tied, fewer tiles
-    assert autotune.step_contest(best["w_gate_up"], timings["w_gate_up"]) == (C(1, 8), C(2, 8))
+    assert autotune.step_contest(best["wo"], timings["wo"]) == (C(1, 8), [C(1, 8, 2)])   # unsplit: tied, fewer tiles
+    assert autotune.step_contest(best["w_gate_up"], timings["w_gate_up"]) == (C(1, 8), [C(2, 8)])
     assert autotune.step_contest(best["wqkv"], timings["wqkv"]) is None
     # a wide block picked alone faces the best ordinary configuration in the step, as split-K does
     wide_times = {C(1, 16): 3.0, C(1, 16, 2): 3.5, C(2, 8): 3.6, C(1, 8): 3.65}
-    assert autotune.step_contest(C(1, 16), wide_times) == (C(1, 8), C(1, 16))
-    assert autotune.step_contest(C(1, 16, 2), wide_times) == (C(1, 8), C(1, 16, 2))
+    assert autotune.step_contest(C(1, 16), wide_times) == (C(1, 8), [C(1, 16)])
+    assert autotune.step_contest(C(1, 16, 2), wide_times) == (C(1, 8), [C(1, 16, 2), C(1, 16)])
+    # every configuration tied alone challenges, not only the tie's winner (TinyLlama f16's o
+    # projection, H200 s19: the tie went to R = 1 wide blocks, R = 2 wide blocks were 2% faster in the step)
+    f16_wo = {C(2, 16): 4.6, C(1, 16): 4.7, C(1, 8): 4.8, C(2, 8): 5.5}
+    assert autotune.step_contest(C(1, 16), f16_wo) == (C(1, 8), [C(1, 16), C(2, 16)])
+    chosen, held = autotune.confirm_in_step({"wo": C(1, 16)}, {"wo": f16_wo},
+                                            lambda t: {C(1, 8): 712.2, C(1, 16): 743.9, C(2, 16): 698.6}[t["wo"]])
+    assert chosen == {"wo": C(2, 16)} and len(held["wo"]) == 3
     step = {("wo", C(1, 8, 2)): 490.0, ("wo", C(1, 8)): 500.0,             # split wins in the step
             ("w_gate_up", C(2, 8)): 480.0, ("w_gate_up", C(1, 8)): 500.0,  # so does the faster-alone R = 2
             ("w_down", C(1, 8, 2)): 505.0, ("w_down", C(1, 8)): 500.0}     # split loses
