@@ -272,8 +272,6 @@ TI_DEVICE float embedding_value(const void* table, int encoding, size_t index) {
     return reinterpret_cast<const float*>(table)[index];
 }
 
-// Decode-step state shared by the kernels of one CUDA graph (read from device memory on every
-// replay, never baked into kernel arguments).
 // Greedy decoding's argmax folded into the output head (gemv.cu OUT_STORE_ARGMAX): a logit and its
 // row as one 64-bit key whose unsigned order is the sampler's choice, the larger value and then the
 // lower row, so blocks can fold their bests into one word with atomicMax in any order. -0 counts as
@@ -298,6 +296,8 @@ TI_DEVICE u64 warp_max_u64(u64 v) {
     return v;
 }
 
+// Decode-step state shared by the kernels of one CUDA graph (read from device memory on every
+// replay, never baked into kernel arguments).
 #define STATE_POS 0      // position of the token being processed
 #define STATE_TOKEN 1    // token being processed (the sampler writes the next one here)
 #define STATE_STEP 2     // index into the output token array
