@@ -83,6 +83,12 @@ def time_launches(launches, stream, wait_factory, flush=None, repeats: int = 3, 
 TIE = 0.03
 
 
+def tied(times: dict) -> list:
+    """The configurations timed within TIE of the fastest, fastest first."""
+    fastest = min(times.values())
+    return sorted((config for config, us in times.items() if us <= fastest * (1 + TIE)), key=times.get)
+
+
 def pick(times: dict):
     """The fastest configuration; among those tied with it, one without split-K, then one of
     ordinary width (not gemv's wide block), then the one with the fewest row tiles.
@@ -92,9 +98,7 @@ def pick(times: dict):
     (H200: TinyLlama q4's wqkv 1,795 vs 1,688-1,689 tok/s for the whole step, q8's wo 1,532 vs
     1,390). A split-K cluster occupies twice the block slots, which the next kernel's early blocks
     would otherwise use, so it must win outright; so must a wide block, which takes a whole SM."""
-    fastest = min(times.values())
-    tied = [config for config, us in times.items() if us <= fastest * (1 + TIE)]
-    return min(tied, key=lambda config: (config.split, config.wide, config.row_tiles, times[config]))
+    return min(tied(times), key=lambda config: (config.split, config.wide, config.row_tiles, times[config]))
 
 
 # In the whole step, a challenger must beat the incumbent by at least this fraction.
@@ -115,12 +119,10 @@ def step_contest(chosen, times: dict):
     and the fastest alone in the contest, one fresh TinyLlama f16 tuning in five gave the o
     projection's tie between R = 2 and R = 1 wide blocks to R = 1, which lost to 8 warps in the step,
     and never tried R = 2 there: 2% slower per token, BENCHMARKS.md s19.)"""
-    fastest = min(times.values())
-    tied = sorted((c for c, us in times.items() if us <= fastest * (1 + TIE)), key=times.get)
     incumbent = chosen
     if chosen.split > 1 or chosen.wide:
         incumbent = pick({c: us for c, us in times.items() if c.split == 1 and not c.wide})
-    challengers = [c for c in dict.fromkeys([chosen, *tied]) if c != incumbent]
+    challengers = [c for c in dict.fromkeys([chosen, *tied(times)]) if c != incumbent]
     return (incumbent, challengers) if challengers else None
 
 

@@ -509,10 +509,8 @@ class CudaBackend(Backend):
         the head's tie between 4 and 8 warps to 4 stepped 1% slower (BENCHMARKS.md s19)."""
         shape = self.shapes[role]
         tried = [chosen]
-        if role == "output":
-            alone = self.tuning_times.get(role, {})
-            tied = [c for c, us in alone.items() if us <= min(alone.values()) * (1 + autotune.TIE)] if alone else []
-            tried += [v for c in tied for v in gemv_k.depth_variants(shape, c)]
+        if role == "output" and self.tuning_times.get(role):
+            tried += [v for c in autotune.tied(self.tuning_times[role]) for v in gemv_k.depth_variants(shape, c)]
         tried += [replace(c, balanced=not c.balanced) for c in tried]
         options, seen = [], {}
         for config in tried:
