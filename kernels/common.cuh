@@ -52,6 +52,20 @@ TI_DEVICE float block_sum(float v, float* scratch) {
     return total;
 }
 
+// Part of a block sum: the warp's total to out[warp] (read after a barrier, e.g. by norm_factor).
+TI_DEVICE void store_warp_sum(float v, float* out) {
+    v = warp_sum(v);
+    if ((threadIdx.x & 31) == 0) out[threadIdx.x >> 5] = v;
+}
+
+// RMSNorm's factor rsqrt(mean(x^2) + eps) from the warps' sums of squares (store_warp_sum), added
+// in a fixed order so that every block gets the same value.
+TI_DEVICE float norm_factor(const float* ss_warps, int nwarps, int K, float eps) {
+    float ss = 0.f;
+    for (int w = 0; w < nwarps; ++w) ss += ss_warps[w];
+    return rsqrtf(ss / (float)K + eps);
+}
+
 // D += A * B with A 16x16 fp16 (row-major fragments), B 16x8 fp16, D 16x8 fp32.
 // Turing has only the k8 shape, so there it is two k8 products (same fragment registers).
 TI_DEVICE void mma_16816(float (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
@@ -190,13 +204,15 @@ TI_DEVICE void load_pending8(const long long* pending, float (&v)[8], bool coher
     }
 }
 
-// (a, b) = hi + lo in two fp16 pairs: hi the rounded pair, lo its rounding error. Products with both
-// (as mma operands, fp32 accumulation) are as exact as with the fp32 values.
-TI_DEVICE void split_half2(float a, float b, u32& hi, u32& lo) {
+// (a, b) = hi + lo / lo_scale in two fp16 pairs: hi the rounded pair, lo its rounding error times
+// lo_scale. Products with both (as mma operands, fp32 accumulation) are as exact as with the fp32
+// values. The rounding error is at most 2^-11 of the value, so lo_scale = 2^11 keeps lo within the
+// value's own magnitude (no overflow) and out of fp16's subnormals down to values of ~3e-5.
+TI_DEVICE void split_half2(float a, float b, u32& hi, u32& lo, float lo_scale = 1.f) {
     const __half2 h = __floats2half2_rn(a, b);
     const float2 back = __half22float2(h);
     hi = as_u32(h);
-    lo = pack_half2(a - back.x, b - back.y);
+    lo = pack_half2((a - back.x) * lo_scale, (b - back.y) * lo_scale);
 }
 
 // 16-byte global -> shared copy that holds no registers until it lands (cp.async, sm_80+; Turing

@@ -12,14 +12,15 @@
 // 1024+n; q8: byte | 0x6400 is 1024+u), their constant bias corrected once per section of x (see
 // weight_bias), and multiplied on the tensor cores with
 // mma.m16n8k16 (fp32 accumulation). The input vector x is staged once per block in shared memory
-// as two fp16 vectors, hi + lo (lo = the rounding error of hi), in the order the mma fragments want
-// it. The mma's 8 output columns hold (section, hi/lo) pairs: each lane's 16-byte load is one
-// "section" of columns inside one quantization group, and B column 2t / 2t+1 carries x_hi / x_lo
-// of section t only (see gemv below), so one mma yields each lane's own section's dot product,
-// as exact as with fp32 x, which the lane scales by its group's scale in fp32.
+// as two fp16 vectors, hi + lo (lo = the rounding error of hi, times LO_SCALE), in the order the
+// mma fragments want it. The mma's 8 output columns hold (section, hi/lo) pairs: each lane's
+// 16-byte load is one "section" of columns inside one quantization group, and B column 2t / 2t+1
+// carries x_hi / x_lo of section t only (see gemv below), so one mma yields each lane's own
+// section's dot product, as exact as with fp32 x, which the lane scales by its group's scale in fp32.
 //
-// Fusions. The input stage can apply RMSNorm (x * rsqrt(mean(x^2)+eps) * w) while converting x;
-// the epilogue stores y, adds it into a residual, or (for the fused [gate; up] matrix) stores
+// Fusions. RMSNorm (x * rsqrt(mean(x^2)+eps) * w): the input stage stages x * w and the sums of
+// squares, and the epilogue multiplies each output by the factor (see stage_input). The epilogue
+// stores y, adds it into a residual, or (for the fused [gate; up] matrix) stores
 // silu(gate) * up: a tile then holds gate rows and the up rows of the same outputs (tile_row), so
 // the down projection reads its input as is. One thread owns each output, so the in-place residual
 // add is race-free. Where the MLP is fused (mlp.cu), the residual is also held in int64 fixed point,
@@ -46,6 +47,7 @@
 #define OUT_STORE_ARGMAX 4  // y[row] = W x, and *best = max(*best, argmax_key(y[row], row)) (the output head)
 
 #define NL 2           // 16-byte loads per lane per row per chunk
+#define LO_SCALE 2048.f   // x's low halves are staged times this (common.cuh split_half2)
 
 // k values covered by one 16-byte load of a row.
 template <int WT> struct Weights;
@@ -106,9 +108,14 @@ __device__ __forceinline__ float staged_factor(int i) {
     return (WT == W_Q4 && (i & 1)) ? 0.0625f : 1.f;
 }
 
-// Convert (and normalise) the input vector into fp16 shared memory, and write the bias
-// correction of each section to corr. kc >= K is the staged length (a whole number of chunks);
-// columns K..kc-1 are zero.
+// Convert the input vector into fp16 shared memory, and write the bias correction of each section
+// to corr. kc >= K is the staged length (a whole number of chunks); columns K..kc-1 are zero.
+//
+// RMSNorm is staged as x * w, without its factor rsqrt(mean(x^2) + eps): each warp writes its part of
+// the sum of squares to ss_warps, and the epilogue multiplies the products by the factor
+// (norm_factor). The block-wide sum (a chain of shuffles, two barriers, shared-memory reads) is
+// then off the path from x's arrival to the first mma. The hi + lo split keeps about 2^-22 of each value of x * w down
+// to ~3e-5 (LO_SCALE); fp16's range holds |x * w| up to 65504.
 //
 // Staging sits on the critical path of every GEMV (it runs after the PDL wait), and each dependent
 // global round trip there costs ~0.5 us while the DRAM queue is full of weight loads. So:
@@ -118,8 +125,8 @@ __device__ __forceinline__ float staged_factor(int i) {
 // - when x is two groups per thread (norm_two_groups), RMSNorm's weight is copied into
 //   the staging area with cp.async before the PDL wait (it is a weight, not an activation) and the
 //   sum of squares comes from the same registers as the conversion: one round trip in all. The
-//   area is overwritten by the staged x afterwards (the block sum's barriers order the reads of the
-//   weight before those writes), so this costs no shared memory.
+//   area is overwritten by the staged x afterwards (a barrier orders the reads of the weight before
+//   those writes), so this costs no shared memory.
 // Registers are the limit: the ring of weights loaded before the wait is live here, and larger
 // batches make the q4 kernels spill.
 template <int IN>
@@ -129,10 +136,10 @@ __device__ __forceinline__ float input_at(const float* __restrict__ x, const lon
 
 template <int IN>
 __device__ __forceinline__ float stage_value(const float* __restrict__ x, const long long* __restrict__ pending,
-                                             const float* __restrict__ aux, int K, int k, float scale) {
+                                             const float* __restrict__ aux, int K, int k) {
     if (k >= K) return 0.f;
     if (IN == IN_PLAIN) return x[k];
-    return input_at<IN>(x, pending, k) * scale * aux[k];
+    return input_at<IN>(x, pending, k) * aux[k];
 }
 
 // Eight floats (x or the norm weight) with plain loads, after the PDL wait.
@@ -168,13 +175,13 @@ __device__ __forceinline__ void prefetch_norm_weight(float* area, const float* _
 template <int WT, int IN>
 __device__ __forceinline__ void stage_group(__half* xs, __half* xs_lo, float* corr, const float* __restrict__ x,
                                             const long long* __restrict__ pending, const float* __restrict__ aux,
-                                            int K, int b, int full, int groups, float scale, const float (&value)[8]) {
+                                            int K, int b, int full, int groups, const float (&value)[8]) {
     constexpr int GROUPS_PER_SECTION = Weights<WT>::KPL / 8;
     float out[8], bias_sum = 0.f;
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
         float v = value[i];
-        if (b >= full) v = b < groups ? stage_value<IN>(x, pending, aux, K, b * 8 + i, scale) : 0.f;
+        if (b >= full) v = b < groups ? stage_value<IN>(x, pending, aux, K, b * 8 + i) : 0.f;
         bias_sum += weight_bias<WT>(i) * v;
         out[staged_slot<WT>(i)] = v * staged_factor<WT>(i);
     }
@@ -183,10 +190,11 @@ __device__ __forceinline__ void stage_group(__half* xs, __half* xs_lo, float* co
     for (int o = 1; o < GROUPS_PER_SECTION; o <<= 1) bias_sum += __shfl_xor_sync(0xffffffffu, bias_sum, o);
     if (b >= groups) return;
     if (WT != W_F16 && b % GROUPS_PER_SECTION == 0) corr[b / GROUPS_PER_SECTION] = bias_sum;
-    // x = hi + lo, both fp16: B columns for both make the product as exact as fp32 inputs would.
+    // x = hi + lo / LO_SCALE, both fp16: B columns for both make the product as exact as fp32
+    // inputs would (section_sum).
     u32 hi[4], lo[4];
 #pragma unroll
-    for (int i = 0; i < 4; ++i) split_half2(out[2 * i], out[2 * i + 1], hi[i], lo[i]);
+    for (int i = 0; i < 4; ++i) split_half2(out[2 * i], out[2 * i + 1], hi[i], lo[i], LO_SCALE);
     *reinterpret_cast<uint4*>(xs + staged_index(b * 8)) = make_uint4(hi[0], hi[1], hi[2], hi[3]);
     *reinterpret_cast<uint4*>(xs_lo + staged_index(b * 8)) = make_uint4(lo[0], lo[1], lo[2], lo[3]);
 }
@@ -195,17 +203,17 @@ __device__ __forceinline__ void stage_group(__half* xs, __half* xs_lo, float* co
 template <int WT, int IN>
 __device__ __forceinline__ void stage_padding(__half* xs, __half* xs_lo, float* corr, const float* __restrict__ x,
                                               const long long* __restrict__ pending, const float* __restrict__ aux,
-                                              int K, int first, int full, int groups, float scale) {
+                                              int K, int first, int full, int groups) {
     const float zeros[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
     for (int base = first; base < groups; base += blockDim.x)       // uniform across the block
-        stage_group<WT, IN>(xs, xs_lo, corr, x, pending, aux, K, base + (int)threadIdx.x, full, groups, scale, zeros);
+        stage_group<WT, IN>(xs, xs_lo, corr, x, pending, aux, K, base + (int)threadIdx.x, full, groups, zeros);
 }
 
 // RMSNorm with the norm weight already in shared memory (norm_two_groups): one round trip for x.
 template <int WT, int IN>
 __device__ __forceinline__ void stage_normed_early(__half* xs, __half* xs_lo, float* corr, const float* __restrict__ x,
                                                    const long long* __restrict__ pending, const float* __restrict__ aux,
-                                                   int K, int groups, float eps, float* scratch) {
+                                                   int K, int groups, float* ss_warps) {
     const int threads = blockDim.x, full = K >> 3;
     const float* w_s = reinterpret_cast<const float*>(xs);      // the weight, until the writes below
     float v[2][8] = {};
@@ -234,15 +242,12 @@ __device__ __forceinline__ void stage_normed_early(__half* xs, __half* xs_lo, fl
             v[i][4 * q + 3] *= w.w;
         }
     }
-    const float scale = rsqrtf(block_sum(ss, scratch) / (float)K + eps);   // its barriers: w_s is read
+    __syncthreads();                                            // every read of w_s before the writes
 #pragma unroll
-    for (int i = 0; i < 2; ++i) {
-#pragma unroll
-        for (int e = 0; e < 8; ++e) v[i][e] *= scale;
-        stage_group<WT, IN>(xs, xs_lo, corr, x, pending, aux, K, i * threads + (int)threadIdx.x, full, groups, scale,
-                            v[i]);
-    }
-    stage_padding<WT, IN>(xs, xs_lo, corr, x, pending, aux, K, 2 * threads, full, groups, scale);
+    for (int i = 0; i < 2; ++i)
+        stage_group<WT, IN>(xs, xs_lo, corr, x, pending, aux, K, i * threads + (int)threadIdx.x, full, groups, v[i]);
+    stage_padding<WT, IN>(xs, xs_lo, corr, x, pending, aux, K, 2 * threads, full, groups);
+    store_warp_sum(ss, ss_warps);
 }
 
 // Groups [first, kc / 8) of x, i.e. columns [8 first, kc); first > 0 (a block of a split-K cluster
@@ -250,14 +255,13 @@ __device__ __forceinline__ void stage_normed_early(__half* xs, __half* xs_lo, fl
 template <int WT, int IN>
 __device__ __forceinline__ void stage_input(__half* xs, __half* xs_lo, float* corr, const float* __restrict__ x,
                                             const long long* __restrict__ pending, const float* __restrict__ aux,
-                                            int K, int first, int kc, float eps, float* scratch) {
+                                            int K, int first, int kc, float* ss_warps) {
     // Groups per thread per round trip: x and the norm weight of one group, or x of two. More
     // makes the q4 kernels spill (the ring of weights in flight is live here).
     constexpr int BATCH = IN != IN_PLAIN ? 1 : 2;
     const bool vector = (K & 7) == 0;          // whole, 16-byte aligned groups of 8 (buffers are aligned)
     const int groups = kc >> 3, full = vector ? (K >> 3) : 0;
     const int threads = blockDim.x, per_round = BATCH * threads;
-    const bool one_round = groups - first <= per_round;
     float v[BATCH][8], w[BATCH][8];
     auto load_batch = [&](int base) {          // every load of the batch before any use
 #pragma unroll
@@ -269,57 +273,39 @@ __device__ __forceinline__ void stage_input(__half* xs, __half* xs_lo, float* co
             }
         }
     };
-    float scale = 1.f;
-    if (IN != IN_PLAIN) {
-        float ss = 0.f;
-        if (!vector) {
-            for (int k = threadIdx.x; k < K; k += threads) {
-                const float xk = input_at<IN>(x, pending, k);
-                ss += xk * xk;
-            }
-        } else if (one_round) {                // the registers loaded here are converted below
-            load_batch(0);
-            TI_TOUCH(__float_as_uint(v[0][0]));
-            TI_MARK(2);                        // x has landed (thread 0)
-#pragma unroll
-            for (int i = 0; i < BATCH; ++i)
-                if (i * threads + (int)threadIdx.x < full)
-#pragma unroll
-                    for (int e = 0; e < 8; ++e) ss += v[i][e] * v[i][e];
-        } else {                               // x alone, two groups per round trip
-            for (int b = threadIdx.x; b < full; b += 2 * threads) {
-                float a[8], c[8];
-                const bool second = b + threads < full;
-                load8_input<IN>(x, pending, 8 * b, a);
-                if (second) load8_input<IN>(x, pending, 8 * (b + threads), c);
-#pragma unroll
-                for (int e = 0; e < 8; ++e) ss += a[e] * a[e] + (second ? c[e] * c[e] : 0.f);
-            }
+    float ss = 0.f;                            // RMSNorm: this thread's part of the sum of squares
+    if (IN != IN_PLAIN && !vector) {
+        for (int k = threadIdx.x; k < K; k += threads) {
+            const float xk = input_at<IN>(x, pending, k);
+            ss += xk * xk;
         }
-        ss = block_sum(ss, scratch);
-        scale = rsqrtf(ss / (float)K + eps);
     }
     for (int base = first; base < groups; base += per_round) {
-        if (!(IN != IN_PLAIN && vector && one_round)) load_batch(base);
-        if (base == first && IN == IN_PLAIN) {
+        load_batch(base);
+        if (base == first) {
             TI_TOUCH(__float_as_uint(v[0][0]));
             TI_MARK(2);                        // x has landed (thread 0)
         }
 #pragma unroll
         for (int i = 0; i < BATCH; ++i) {
             float value[8];
+            const bool loaded = base + i * threads + (int)threadIdx.x < full;
 #pragma unroll
-            for (int e = 0; e < 8; ++e) value[e] = IN == IN_PLAIN ? v[i][e] : v[i][e] * scale * w[i][e];
+            for (int e = 0; e < 8; ++e) {
+                if (IN != IN_PLAIN && loaded) ss += v[i][e] * v[i][e];
+                value[e] = IN == IN_PLAIN ? v[i][e] : v[i][e] * w[i][e];
+            }
             stage_group<WT, IN>(xs, xs_lo, corr, x, pending, aux, K, base + i * threads + (int)threadIdx.x, full, groups,
-                                scale, value);
+                                value);
         }
     }
+    if (IN != IN_PLAIN) store_warp_sum(ss, ss_warps);
 }
 
-// Bytes reserved in front of the staged vector for the cross-warp reduction (double-buffered) and,
-// in a split-K cluster, the peer block's sums (double-buffered).
+// Bytes reserved in front of the staged vector for the cross-warp reduction (double-buffered), in a
+// split-K cluster the peer block's sums (double-buffered), and RMSNorm's per-warp sums of squares.
 __device__ __forceinline__ int gemv_scratch_bytes(int nwarps, int rt, int split) {
-    const int floats = (2 * nwarps * 16 * rt > 32 ? 2 * nwarps * 16 * rt : 32) + (split > 1 ? 2 * 16 * rt : 0);
+    const int floats = (2 * nwarps * 16 * rt > 32 ? 2 * nwarps * 16 * rt : 32) + (split > 1 ? 2 * 16 * rt : 0) + 16;
     return (floats * 4 + 15) & ~15;
 }
 
@@ -349,10 +335,20 @@ __device__ __forceinline__ int tile_outputs() {
 }
 
 // The products of a ring slot's piece j (the lanes' j-th 16-byte loads of rows g and g + 8 of each
-// of the RT tiles) with the staged x at xp: d[rt] += A B, two mmas per 8 staged halves (see gemv).
+// of the RT tiles) with the staged x at xp: d[rt] = A B, two mmas per 8 staged halves (see gemv).
+// Each mma waits for the previous one's accumulator (~30 cycles on Hopper), so a q4 piece, 8 mmas in
+// one chain, takes ~8 such latencies before its loads' registers are free. With one row tile the two
+// mmas of each 8 halves therefore go to two accumulators, summed at the end (chains of KPL / 8 mmas);
+// with two, the tiles' chains already interleave, and the second accumulator makes nvcc spill.
 template <int WT, int RT>
 __device__ __forceinline__ void piece_products(const uint4 (&slot)[RT][2][NL], int j, const uint4* xp,
                                                float (&d)[RT][4]) {
+    constexpr bool TWO_CHAINS = WT != W_F16 && RT == 1;
+    float e[RT][4];
+#pragma unroll
+    for (int rt = 0; rt < RT; ++rt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) d[rt][i] = e[rt][i] = 0.f;
 #pragma unroll
     for (int q = 0; q < Weights<WT>::KPL / 8; ++q) {
         const uint4 xv = xp[q];
@@ -364,9 +360,19 @@ __device__ __forceinline__ void piece_products(const uint4 (&slot)[RT][2][NL], i
             mma_16816(d[rt], g_lo, g8_lo, g_hi, g8_hi, xv.x, xv.y);
             a_pair<WT>(slot[rt][0][j], 2 * q + 1, g_lo, g_hi);
             a_pair<WT>(slot[rt][1][j], 2 * q + 1, g8_lo, g8_hi);
-            mma_16816(d[rt], g_lo, g8_lo, g_hi, g8_hi, xv.z, xv.w);
+            mma_16816(TWO_CHAINS ? e[rt] : d[rt], g_lo, g8_lo, g_hi, g8_hi, xv.z, xv.w);
         }
     }
+#pragma unroll
+    for (int rt = 0; rt < RT; ++rt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) d[rt][i] += TWO_CHAINS ? e[rt][i] : 0.f;
+}
+
+// A row's product over a section from its x_hi and x_lo columns (D[g][2t], D[g][2t+1]), less the
+// weights' bias correction c.
+__device__ __forceinline__ float section_sum(float d_hi, float d_lo, float c) {
+    return fmaf(d_lo, 1.f / LO_SCALE, d_hi) - c;
 }
 
 // silu(gate) * up, one output of the fused [gate; up] matrix (runtime/reference.py swiglu).
@@ -445,6 +451,7 @@ __global__ void __launch_bounds__(WIDE ? 512 : 256, WIDE ? 1 : 2) gemv(
     const int g = lane >> 2, t = lane & 3;
     float* red = reinterpret_cast<float*>(smem);
     float* peer_sums = red + 2 * nwarps * 16 * RT;             // SPLIT = 2: [2][16 RT], filled by block 1
+    float* ss_warps = peer_sums + (SPLIT > 1 ? 2 * 16 * RT : 0);   // RMSNorm: [nwarps] (stage_input)
     __half* xs = reinterpret_cast<__half*>(smem + gemv_scratch_bytes(nwarps, RT, SPLIT));
     if (SPLIT > 1) cluster_arrive_relaxed();   // pairs with the wait before block 1's first store into block 0
 
@@ -548,8 +555,6 @@ __global__ void __launch_bounds__(WIDE ? 512 : 256, WIDE ? 1 : 2) gemv(
 #pragma unroll
         for (int j = 0; j < NL; ++j) {
             float d[RT][4];
-#pragma unroll
-            for (int rt = 0; rt < RT; ++rt) d[rt][0] = d[rt][1] = d[rt][2] = d[rt][3] = 0.f;
             // Lanes that feed no B column read zeros (the same bytes for all: a broadcast, no branch).
             const uint4* xp = feeds_b ? reinterpret_cast<const uint4*>(x_mine + staged_index(kb + j * 4 * KPL + t * KPL))
                                       : x_zeros;
@@ -562,8 +567,8 @@ __global__ void __launch_bounds__(WIDE ? 512 : 256, WIDE ? 1 : 2) gemv(
             for (int rt = 0; rt < RT; ++rt) {
                 const float s0 = WT == W_F16 ? 1.f : __half2float(__ushort_as_half(sc[b][rt][0][j]));
                 const float s1 = WT == W_F16 ? 1.f : __half2float(__ushort_as_half(sc[b][rt][1][j]));
-                acc[rt][0] = fmaf(d[rt][0] + d[rt][1] - c, inside ? s0 : 0.f, acc[rt][0]);
-                acc[rt][1] = fmaf(d[rt][2] + d[rt][3] - c, inside ? s1 : 0.f, acc[rt][1]);
+                acc[rt][0] = fmaf(section_sum(d[rt][0], d[rt][1], c), inside ? s0 : 0.f, acc[rt][0]);
+                acc[rt][1] = fmaf(section_sum(d[rt][2], d[rt][3], c), inside ? s1 : 0.f, acc[rt][1]);
             }
             if (REFILL) refill_piece(b, j, next_tile, next_chunk, refill);
         }
@@ -605,7 +610,7 @@ __global__ void __launch_bounds__(WIDE ? 512 : 256, WIDE ? 1 : 2) gemv(
         pdl_wait();
         TI_MARK(1);
         if (holds_residual) residual = residual_at<OUT>(y, pending, first_out);
-        stage_normed_early<WT, IN>(xs, xs_lo, corr, x, pending, aux, K, nchunks * CW / 8, eps, red);
+        stage_normed_early<WT, IN>(xs, xs_lo, corr, x, pending, aux, K, nchunks * CW / 8, ss_warps);
         if (DEPTH - 1 < n_items) load_next(DEPTH - 1);
     } else {
 #pragma unroll
@@ -614,7 +619,7 @@ __global__ void __launch_bounds__(WIDE ? 512 : 256, WIDE ? 1 : 2) gemv(
         pdl_wait();
         TI_MARK(1);
         if (holds_residual) residual = residual_at<OUT>(y, pending, first_out);
-        stage_input<WT, IN>(xs, xs_lo, corr, x, pending, aux, K, chunk0 * CW / 8, chunk_end * CW, eps, red);
+        stage_input<WT, IN>(xs, xs_lo, corr, x, pending, aux, K, chunk0 * CW / 8, chunk_end * CW, ss_warps);
     }
     __syncthreads();
     TI_MARK(3);                        // input staged
@@ -623,6 +628,7 @@ __global__ void __launch_bounds__(WIDE ? 512 : 256, WIDE ? 1 : 2) gemv(
 
     int it = 0, slot = 0;      // items multiplied; the ring slot of the next one
     u64 best_key = 0;          // OUT_STORE_ARGMAX: the best of this thread's outputs so far
+    float norm = 1.f;          // RMSNorm's factor, read at the first epilogue (off the path to the first mma)
     for (int ti = 0; ti < my_tiles; ++ti) {
         float acc[RT][2];
 #pragma unroll
@@ -663,6 +669,7 @@ __global__ void __launch_bounds__(WIDE ? 512 : 256, WIDE ? 1 : 2) gemv(
         __syncthreads();
         if (ti == my_tiles - 1) TI_MARK(7);   // the last tile's partial sums in shared memory
         const int out0 = (cluster_of_block<SPLIT>() + ti * clusters_in_grid<SPLIT>()) * tile_outputs<RT, OUT>();
+        if (IN != IN_PLAIN && ti == 0) norm = norm_factor(ss_warps, nwarps, K, eps);
         // Double-buffered: block 1 may store tile ti + 1's sums while block 0 still reads tile ti's.
         float* peer_tile = peer_sums + (ti & 1) * 16 * RT;
         if (SPLIT > 1) {
@@ -687,6 +694,10 @@ __global__ void __launch_bounds__(WIDE ? 512 : 256, WIDE ? 1 : 2) gemv(
                 if (OUT == OUT_SWIGLU) up += part[wi * 16 * RT + slot + 8];
             }
             if (SPLIT > 1) total += peer_tile[i];
+            if (IN != IN_PLAIN) {
+                total *= norm;
+                up *= norm;
+            }
             if (ADDS) {
                 const int o = out0 + i;
                 const float sum = (ti == 0 && i == (int)threadIdx.x ? residual : residual_at<OUT>(y, pending, o)) + total;

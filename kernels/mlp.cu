@@ -73,7 +73,8 @@ __global__ void __launch_bounds__(WIDE ? 512 : 256, WIDE ? 1 : 2) mlp(
     cluster_arrive_relaxed();          // pairs with the wait before the first store into a peer
 
     // Shared memory (mlp.py shared_bytes): per-warp tile sums, the slice of silu(gate) * up, x
-    // staged (hi, lo 32 bytes on, 64 zero bytes, bias corrections) and the slice staged likewise.
+    // staged (hi, lo 32 bytes on, 64 zero bytes, bias corrections), the slice staged likewise, and
+    // the warps' sums of squares of x.
     const int kc1 = kpad_gu;                                  // a whole number of chunks (mlp.py)
     float* part = reinterpret_cast<float*>(smem);             // [NW][RT][16]
     float* slice = part + NW * RT * 16;                       // [SLICE]
@@ -84,6 +85,7 @@ __global__ void __launch_bounds__(WIDE ? 512 : 256, WIDE ? 1 : 2) mlp(
     __half* hs = reinterpret_cast<__half*>(corr1 + kc1 / KPL);
     __half* hs_lo = hs + staged_index(SLICE) + 16;
     float* corr2 = reinterpret_cast<float*>(hs_lo + staged_index(SLICE));   // [SLICE / KPL]
+    float* ss_warps = corr2 + SLICE / KPL;                    // [NW]: RMSNorm's sums of squares (stage_input)
     if (threadIdx.x < 4) x_zeros[threadIdx.x] = make_uint4(0u, 0u, 0u, 0u);
 
     // The warp's items: n1 of phase 1, then n2 of phase 2.
@@ -142,7 +144,7 @@ __global__ void __launch_bounds__(WIDE ? 512 : 256, WIDE ? 1 : 2) mlp(
         const __half* mine = (g & 1) ? lo : hi;
 #pragma unroll
         for (int j = 0; j < NL; ++j) {
-            float d[RT][4] = {};
+            float d[RT][4];
             const uint4* xp = (g >> 1) == t ? reinterpret_cast<const uint4*>(mine + staged_index(kb + j * 4 * KPL + t * KPL))
                                             : x_zeros;
             piece_products<WT, RT>(wv[b], j, xp, d);
@@ -152,8 +154,8 @@ __global__ void __launch_bounds__(WIDE ? 512 : 256, WIDE ? 1 : 2) mlp(
             for (int rt = 0; rt < RT; ++rt) {
                 const float s0 = WT == W_F16 ? 1.f : __half2float(__ushort_as_half(sc[b][rt][0][j]));
                 const float s1 = WT == W_F16 ? 1.f : __half2float(__ushort_as_half(sc[b][rt][1][j]));
-                acc[rt][0] = fmaf(d[rt][0] + d[rt][1] - c, s0, acc[rt][0]);
-                acc[rt][1] = fmaf(d[rt][2] + d[rt][3] - c, s1, acc[rt][1]);
+                acc[rt][0] = fmaf(section_sum(d[rt][0], d[rt][1], c), s0, acc[rt][0]);
+                acc[rt][1] = fmaf(section_sum(d[rt][2], d[rt][3], c), s1, acc[rt][1]);
             }
         }
     };
@@ -185,9 +187,12 @@ __global__ void __launch_bounds__(WIDE ? 512 : 256, WIDE ? 1 : 2) mlp(
     for (int b = 0; b < DEPTH; ++b) load_next(b);
     pdl_wait();
     TI_MARK(1);
-    stage_input<WT, IN_RMSNORM>(xs, xs_lo, corr1, x, nullptr, norm, dim, 0, kc1, eps, part);
+    stage_input<WT, IN_RMSNORM>(xs, xs_lo, corr1, x, nullptr, norm, dim, 0, kc1, ss_warps);
     __syncthreads();
     TI_MARK(3);                        // x staged
+    // x was staged as x * norm (gemv.cu stage_input). Read here rather than where phase 1's sums
+    // are scaled: there, the q8 kernels spill (nvcc, sm_90).
+    const float factor = norm_factor(ss_warps, NW, dim, eps);
 
     // Phase 1.
     float acc[RT][2] = {};
@@ -212,7 +217,7 @@ __global__ void __launch_bounds__(WIDE ? 512 : 256, WIDE ? 1 : 2) mlp(
             gate += part[((group + p * TG) * RT + rt) * 16 + row];
             up += part[((group + p * TG) * RT + rt) * 16 + row + 8];
         }
-        const float value = swiglu(gate, up);
+        const float value = swiglu(gate * factor, up * factor);
 #pragma unroll
         for (int peer = 0; peer < MLP_CLUSTER; ++peer) *peer_shared(slice + rank * OUTS + threadIdx.x, peer) = value;
     }
@@ -224,8 +229,7 @@ __global__ void __launch_bounds__(WIDE ? 512 : 256, WIDE ? 1 : 2) mlp(
             float value[8];
 #pragma unroll
             for (int e = 0; e < 8; ++e) value[e] = b < SLICE / 8 ? slice[8 * b + e] : 0.f;
-            stage_group<WT, IN_PLAIN>(hs, hs_lo, corr2, slice, nullptr, nullptr, SLICE, b, SLICE / 8, SLICE / 8, 1.f,
-                                      value);
+            stage_group<WT, IN_PLAIN>(hs, hs_lo, corr2, slice, nullptr, nullptr, SLICE, b, SLICE / 8, SLICE / 8, value);
         }
     }
     __syncthreads();

@@ -186,6 +186,26 @@ def test_gemv_inputs_with_outliers_and_zeros(cupy_gpu, cc, encoding):
         assert error <= MAX_ERROR, f"{encoding} {input}>{output}: {error:.2e}"
 
 
+@pytest.mark.parametrize("encoding", ["f16", "q8", "q4"])
+@pytest.mark.parametrize("row_tiles,warps", [(1, 8), (2, 16)])
+def test_gemv_small_inputs_keep_their_precision(cupy_gpu, cc, encoding, row_tiles, warps):
+    """Inputs of small values: a small activation, or a small residual, which RMSNorm stages as
+    x * w before its factor (gemv.cu stage_input). x is staged as fp16 hi + lo, and the rounding
+    error lo of a value of 1e-3 (q4 stages odd columns / 16: 6e-5) is a subnormal fp16. Staged
+    scaled up (LO_SCALE), it keeps the error of the products what it is for the same input at
+    ordinary size; at 1e-5, where hi itself is subnormal, within the bound."""
+    k = 2048
+    x = np.random.default_rng(12).standard_normal(k).astype(np.float32)
+    tensor = random_encoded(encoding, (512, k), None if encoding == "f16" else 64, np.random.default_rng(13),
+                            1 / np.sqrt(k))
+    config = gemv_k.GemvConfig(row_tiles, warps)
+    for input, output in [("plain", "store"), ("rmsnorm", "store"), ("rmsnorm", "swiglu")]:
+        ordinary, small, tiny = (run_gemv(cupy_gpu, cc, tensor, input, output, config, np.random.default_rng(14),
+                                          x * np.float32(scale)) for scale in (1, 1e-3, 1e-5))
+        label = f"{encoding} {input}>{output}: {ordinary:.2e} at 1, {small:.2e} at 1e-3, {tiny:.2e} at 1e-5"
+        assert small <= 2 * ordinary + 1e-6 and tiny <= MAX_ERROR, label
+
+
 def test_gemv_quantized_by_the_format_encoder(cupy_gpu, cc):
     """A tensor quantized by formats.encode (scale search), not random codes."""
     from tinyinfer.formats import encode
