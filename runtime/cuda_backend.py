@@ -19,6 +19,9 @@ The position, the current token and the step index live in a small device
 array that the kernels read and the sampler advances, so the whole step is captured once as a CUDA
 graph and replayed with no host work in between: the host launches several steps ahead and only
 reads tokens back. Tokens the host feeds (prompts, forward()) are embedded by a separate launch.
+Generation replays STEPS_PER_GRAPH steps captured in one graph where it can: inside a graph, each
+step's first kernel overlaps the previous step's last one (programmatic dependent launch), which a
+graph boundary does not allow.
 """
 
 from __future__ import annotations
@@ -47,6 +50,10 @@ from tinyinfer.runtime.weights_upload import data_extent, pinned_empty, upload_w
 
 H2D, D2D = 1, 3
 LOOKAHEAD = 16          # decode steps queued ahead of the token the host is waiting for
+# Decode steps per graph when generating. H200, same tuning, us per token (BENCHMARKS.md s20):
+# TinyLlama q4 401.2-401.9 with one step per graph, 400.5-401.1 with four; f16 691.8-692.3 and
+# 690.4-690.9 (two: 689.1-690.0); Llama-2-7B q4 unchanged.
+STEPS_PER_GRAPH = 4
 MARGIN_BYTES = 256 << 20
 GREEDY = SamplingParams()
 # The tuner's step timings: STEP_REPLAYS graph replays, fewer for a long step, so that one timing
@@ -380,6 +387,7 @@ class CudaBackend(Backend):
             self.tuning = tuning
             self.step = self.build_step(tuning)
             self.graph = self.capture(self.step)
+            self.steps_graph = None                    # STEPS_PER_GRAPH steps, captured when generating
 
     def capture(self, launches):
         stream = self.stream
@@ -734,13 +742,20 @@ class CudaBackend(Backend):
                 self.upload(self.uniforms, uniforms)
                 self.set_sampling(params)
                 self.set_state(start_pos + prompt.size - 1, int(prompt[-1]), 0)
-                events = [None] * LOOKAHEAD
+                if self.steps_graph is None:
+                    self.steps_graph = self.capture(self.step * STEPS_PER_GRAPH)
+                events = [None] * LOOKAHEAD         # the event after token i's step, at i % LOOKAHEAD
                 launched = 0
                 while produced < max_new_tokens:
-                    while launched < max_new_tokens and launched - produced < LOOKAHEAD:
-                        self.graph.launch(self.stream)
-                        events[launched % LOOKAHEAD] = self.stream.record()
-                        launched += 1
+                    while True:
+                        n = STEPS_PER_GRAPH if max_new_tokens - launched >= STEPS_PER_GRAPH else 1
+                        if launched + n > max_new_tokens or launched + n - produced > LOOKAHEAD:
+                            break
+                        (self.steps_graph if n > 1 else self.graph).launch(self.stream)
+                        event = self.stream.record()
+                        for i in range(launched, launched + n):
+                            events[i % LOOKAHEAD] = event
+                        launched += n
                     events[produced % LOOKAHEAD].synchronize()
                     token = int(self.out_tokens[produced])
                     produced += 1
@@ -752,6 +767,6 @@ class CudaBackend(Backend):
     def close(self) -> None:
         if getattr(self, "stream", None) is not None:
             self.stream.synchronize()
-        for name in ("graph", "weights", "k_cache", "v_cache", "step", "_prefill"):
+        for name in ("graph", "steps_graph", "weights", "k_cache", "v_cache", "step", "_prefill"):
             setattr(self, name, None)
         self.cp.get_default_memory_pool().free_all_blocks()
