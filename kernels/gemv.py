@@ -283,7 +283,7 @@ def make_gemv(mod, shape: GemvShape, config: GemvConfig, weight, x, y, aux=None,
         raise ValueError(f"{shape.key}: the argmax word is passed exactly when the GEMV folds into it")
     kernel = mod.get_function(name_expression(shape, config))
     w_ptr = weight.data.ptr
-    scale_ptr = w_ptr + scale_offset(shape) if shape.encoding != "f16" else w_ptr
+    scale_ptr = w_ptr + scale_offset(shape)         # f16: 0, the kernel reads no scales
     tiles = -(-output_rows(shape) // (tile_outputs(shape) * config.row_tiles))
     shared = shared_bytes(shape, config)
     per_sm, sms = resident_blocks(kernel, 32 * config.warps, shared)

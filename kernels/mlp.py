@@ -118,7 +118,7 @@ def make_mlp(mod, shape: MlpShape, config: MlpConfig, gate_up, down, x, norm, ep
 
     def pointers(tensor, gemv_shape):
         ptr = tensor.data.ptr
-        return np.uint64(ptr), np.uint64(ptr + scale_offset(gemv_shape) if gemv_shape.encoding != "f16" else ptr)
+        return np.uint64(ptr), np.uint64(ptr + scale_offset(gemv_shape))     # f16: no scales, offset 0
 
     args = (*pointers(gate_up, gu), *pointers(down, dn), np.int32(gu.cols), np.int32(gu.rows // 2),
             np.int32(gu.cols_pad), np.int32(dn.cols_pad), x, norm, np.float32(eps), pending)

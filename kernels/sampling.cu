@@ -175,7 +175,8 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_token(
     // 1. repetition penalty, 2. greedy, 3. temperature (values kept in xs for later passes).
     ArgBest best = {-TI_INF, 0x7fffffff};
     const bool greedy = temperature == 0.0 && !penalise;
-    if (greedy && best_key != 0ull) {
+    const bool folded = greedy && best_key != 0ull;   // the head's fold holds the token
+    if (folded) {
         best.index = argmax_key_row(best_key);   // the head's fold: no pass over the logits
     } else if (greedy && (vocab & 3) == 0) {
         // Plain greedy: an argmax with 16-byte loads, eight in flight per thread, compared as
@@ -219,7 +220,7 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_token(
             best = better(best, ArgBest{x, i});
         }
     }
-    if (!(greedy && best_key != 0ull)) best = block_argmax(best, scratch_a);
+    if (!folded) best = block_argmax(best, scratch_a);
     TI_MARK(2);                            // the (penalised, scaled) argmax
     int token = best.index < vocab ? best.index : 0;
 
