@@ -62,6 +62,13 @@ GREEDY = SamplingParams()
 STEP_REPLAYS, STEP_TIMING_US = 12, 11_000
 
 
+def launch_sizes(n_tokens: int) -> list:
+    """Decode steps per graph launch when generating n_tokens: STEPS_PER_GRAPH while that many
+    remain, then one at a time. The tokens of one launch reach the host together."""
+    whole = n_tokens // STEPS_PER_GRAPH
+    return [STEPS_PER_GRAPH] * whole + [1] * (n_tokens - whole * STEPS_PER_GRAPH)
+
+
 def memory_plan(weight_bytes: int, kv_bytes: int, scratch_bytes: int, free_bytes: int) -> dict:
     """What the model needs on the GPU, and whether it fits in the free memory."""
     need = weight_bytes + kv_bytes + scratch_bytes + MARGIN_BYTES
@@ -745,17 +752,17 @@ class CudaBackend(Backend):
                 if self.steps_graph is None:
                     self.steps_graph = self.capture(self.step * STEPS_PER_GRAPH)
                 events = [None] * LOOKAHEAD         # the event after token i's step, at i % LOOKAHEAD
+                sizes = iter(launch_sizes(max_new_tokens))
+                n = next(sizes)
                 launched = 0
                 while produced < max_new_tokens:
-                    while True:
-                        n = STEPS_PER_GRAPH if max_new_tokens - launched >= STEPS_PER_GRAPH else 1
-                        if launched + n > max_new_tokens or launched + n - produced > LOOKAHEAD:
-                            break
+                    while n and launched + n - produced <= LOOKAHEAD:
                         (self.steps_graph if n > 1 else self.graph).launch(self.stream)
                         event = self.stream.record()
                         for i in range(launched, launched + n):
                             events[i % LOOKAHEAD] = event
                         launched += n
+                        n = next(sizes, 0)
                     events[produced % LOOKAHEAD].synchronize()
                     token = int(self.out_tokens[produced])
                     produced += 1

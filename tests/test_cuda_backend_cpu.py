@@ -98,6 +98,25 @@ def test_sources_are_self_contained_for_nvrtc():
     assert "-arch=sm_90a" in build.compile_options(90) and not any("arch" in o for o in build.compile_options(86))
 
 
+def test_generation_launches_whole_graphs_of_steps_then_single_steps():
+    from tinyinfer.runtime.cuda_backend import STEPS_PER_GRAPH, launch_sizes
+
+    n = 3 * STEPS_PER_GRAPH + STEPS_PER_GRAPH - 1
+    assert launch_sizes(n) == [STEPS_PER_GRAPH] * 3 + [1] * (STEPS_PER_GRAPH - 1)
+    assert launch_sizes(STEPS_PER_GRAPH - 1) == [1] * (STEPS_PER_GRAPH - 1) and launch_sizes(0) == []
+
+
+def test_bench_rate_counts_from_the_first_launchs_last_token():
+    """Tokens of one graph launch reach the host together: 8 tokens in launches of 4, 1 ms per
+    token, arrive at 4, 4, 4, 4, 8, 8, 8, 8 ms; the steady rate is 4 tokens in 4 ms, not 7 in 4."""
+    from tinyinfer.runtime.bench import steady_rate
+
+    stamps = [0.004] * 4 + [0.008] * 4
+    assert steady_rate(stamps, 4) == pytest.approx(1000.0)
+    assert steady_rate([0.001, 0.002, 0.003], 1) == pytest.approx(1000.0)
+    assert steady_rate([0.004] * 4, 4) == 0.0
+
+
 def test_gemv_shapes_and_launch_geometry():
     t = random_encoded("q4", (2560, 2048), 64, np.random.default_rng(0))
     shape = gemv_k.shape_of(t, "rmsnorm", "store")
