@@ -2,9 +2,10 @@
 
 Decode speed is measured the way a user gets tokens: generate_ids() after a short prompt, the host
 reading every token back, tokens/s over the decode steps after the first graph launch's tokens
-(which arrive together, after the prompt: steady_rate), median of several runs. Around it: the GPU time of one graph replay, a read-bandwidth probe run in the same process
-(the ceiling), and each kernel timed alone on the model's own weights (after an L2 flush, one launch
-per layer so no weight is read from cache) with its GB/s and % of that ceiling.
+(which arrive together, after the prompt: steady_rate), median of several runs. Around it: the GPU
+time of one graph replay, a read-bandwidth probe run in the same process (the ceiling), and each
+kernel timed alone on the model's own weights (after an L2 flush, one launch per layer so no weight
+is read from cache) with its GB/s and % of that ceiling.
 
 Also here: write_random_model(), the random-weight .tinf writer behind examples/bench_random.py and
 the GPU tests (random codes and scales written directly: the same bytes and speed as a converted

@@ -753,7 +753,7 @@ class CudaBackend(Backend):
                     self.steps_graph = self.capture(self.step * STEPS_PER_GRAPH)
                 events = [None] * LOOKAHEAD         # the event after token i's step, at i % LOOKAHEAD
                 sizes = iter(launch_sizes(max_new_tokens))
-                n = next(sizes)
+                n = next(sizes, 0)
                 launched = 0
                 while produced < max_new_tokens:
                     while n and launched + n - produced <= LOOKAHEAD:
