@@ -40,30 +40,31 @@ TI_DEVICE float warp_max(float v) {
     return v;
 }
 
-// Sum over the whole block; `scratch` holds at least 32 floats. Every thread gets the total.
-TI_DEVICE float block_sum(float v, float* scratch) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = (blockDim.x + 31) >> 5;
-    v = warp_sum(v);
-    __syncthreads();                  // scratch may still be read by a previous call
-    if (lane == 0) scratch[warp] = v;
-    __syncthreads();
-    float total = 0.f;
-    for (int w = 0; w < nwarps; ++w) total += scratch[w];
-    return total;
-}
-
-// Part of a block sum: the warp's total to out[warp] (read after a barrier, e.g. by norm_factor).
+// Part of a block sum: the warp's total to out[warp] (read after a barrier by sum_of_warps).
 TI_DEVICE void store_warp_sum(float v, float* out) {
     v = warp_sum(v);
     if ((threadIdx.x & 31) == 0) out[threadIdx.x >> 5] = v;
 }
 
-// RMSNorm's factor rsqrt(mean(x^2) + eps) from the warps' sums of squares (store_warp_sum), added
-// in a fixed order so that every block gets the same value.
+// The warps' totals (store_warp_sum) added in a fixed order, so that every thread and every block
+// gets the same value.
+TI_DEVICE float sum_of_warps(const float* totals, int nwarps) {
+    float total = 0.f;
+    for (int w = 0; w < nwarps; ++w) total += totals[w];
+    return total;
+}
+
+// Sum over the whole block; `scratch` holds at least 32 floats. Every thread gets the total.
+TI_DEVICE float block_sum(float v, float* scratch) {
+    __syncthreads();                  // scratch may still be read by a previous call
+    store_warp_sum(v, scratch);
+    __syncthreads();
+    return sum_of_warps(scratch, (blockDim.x + 31) >> 5);
+}
+
+// RMSNorm's factor rsqrt(mean(x^2) + eps) from the warps' sums of squares (store_warp_sum).
 TI_DEVICE float norm_factor(const float* ss_warps, int nwarps, int K, float eps) {
-    float ss = 0.f;
-    for (int w = 0; w < nwarps; ++w) ss += ss_warps[w];
-    return rsqrtf(ss / (float)K + eps);
+    return rsqrtf(sum_of_warps(ss_warps, nwarps) / (float)K + eps);
 }
 
 // D += A * B with A 16x16 fp16 (row-major fragments), B 16x8 fp16, D 16x8 fp32.
@@ -286,6 +287,14 @@ TI_DEVICE float embedding_value(const void* table, int encoding, size_t index) {
     if (encoding == EMB_F16) return __half2float(reinterpret_cast<const __half*>(table)[index]);
     if (encoding == EMB_BF16) return __uint_as_float((u32)reinterpret_cast<const unsigned short*>(table)[index] << 16);
     return reinterpret_cast<const float*>(table)[index];
+}
+
+// Column k of a token's embedding (table row starting at `row`) as the decode step's input: into x
+// and, in a fused step, into the fixed-point residual (pending, else null).
+TI_DEVICE void store_embedding(const void* table, int encoding, size_t row, int k, float* x, long long* pending) {
+    const float value = embedding_value(table, encoding, row + k);
+    x[k] = value;
+    if (pending != nullptr) pending[k] = to_pending(value);
 }
 
 // Greedy decoding's argmax folded into the output head (gemv.cu OUT_STORE_ARGMAX): a logit and its

@@ -130,7 +130,8 @@ def pending_variant(shape: GemvShape, config: GemvConfig) -> GemvConfig:
     kinds of q4/q8 kernels: q4 R = 1 at depth 4 with its ring refilled after the products (depth 3
     instead), and the o projection's R = 2 ring refilled during them (refilled after them instead;
     q8 still spills 32 bytes there). Since RMSNorm's factor moved to the epilogue (s20) the first no
-    longer spills; the rule stays until dropping it is measured in the step."""
+    longer spills, and stays for speed: in TinyLlama q4's fused step with wqkv R1/w8/d4, depth 3 took
+    400.6-401.5 us per token and depth 4 402.9-404.0 (H200, BENCHMARKS.md s21)."""
     if shape.encoding == "f16":
         return config
     if shape.input == "rmsnorm_pending" and shape.encoding == "q4" and config.row_tiles == 1 \

@@ -11,11 +11,8 @@ extern "C" __global__ void embed(const void* __restrict__ table, int encoding, i
 {
     if (head_best != nullptr && blockIdx.x == 0 && threadIdx.x == 0) *head_best = 0ull;
     const size_t row = (size_t)state[STATE_TOKEN] * cols_pad;
-    for (int k = blockIdx.x * blockDim.x + threadIdx.x; k < dim; k += gridDim.x * blockDim.x) {
-        const float value = embedding_value(table, encoding, row + k);
-        x[k] = value;
-        if (pending != nullptr) pending[k] = to_pending(value);
-    }
+    for (int k = blockIdx.x * blockDim.x + threadIdx.x; k < dim; k += gridDim.x * blockDim.x)
+        store_embedding(table, encoding, row, k, x, pending);
 }
 
 // Read n16 16-byte words with a grid-stride loop; the xor is written only if `sink_if` matches,

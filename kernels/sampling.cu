@@ -350,9 +350,5 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_token(
     }
     // The next decode step starts from this token's embedding (no separate embedding launch).
     const size_t row = (size_t)token * emb_cols_pad;
-    for (int k = threadIdx.x; k < dim; k += blockDim.x) {
-        const float value = embedding_value(emb_table, emb_encoding, row + k);
-        x[k] = value;
-        if (pending != nullptr) pending[k] = to_pending(value);
-    }
+    for (int k = threadIdx.x; k < dim; k += blockDim.x) store_embedding(emb_table, emb_encoding, row, k, x, pending);
 }

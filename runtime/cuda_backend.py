@@ -477,9 +477,6 @@ class CudaBackend(Backend):
         # the fused step (their stages above ran in the unfused one), the output head first.
         if best.get("mlp") is not None:
             options = {role: self.fused_reader_options(role, best[role]) for role in ("output", "wqkv", "wo")}
-            build.compile_all(gemv_k.GemvModules(
-                [(self.pending_shape(r), self.pending_config(r, c)) for r, cs in options.items() for c in cs],
-                self.compute_capability).modules)
             best, self.fused_trials = autotune.variants_in_step(best, {r: o for r, o in options.items() if o},
                                                                 self.step_us)
         self.tuning_source = "measured"
@@ -517,7 +514,8 @@ class CudaBackend(Backend):
         """What the tuner's last stage tries for a GEMV that reads the fused step's fixed-point
         residual (wqkv, wo, output): the chosen configuration with the other grid and, for the
         output head, every configuration that tied with it alone (autotune.TIE), at each depth,
-        with either grid. Only options that run a different kernel or grid there (pending_config).
+        with either grid. Only options that run a different kernel or grid in the fused step
+        (pending_config, and the grid of that kernel's launch).
         The head is the one whose earlier stages skip (its depth moved the unfused step by less
         than the noise), and in the fused step it moved it most: on one H200, TinyLlama q4 404.2 ->
         401.7 us per token from R2/w8/d2 to d1 with the balanced grid, and fresh tunings that gave
@@ -527,10 +525,14 @@ class CudaBackend(Backend):
         if role == "output" and self.tuning_times.get(role):
             tried += [v for c in autotune.tied(self.tuning_times[role]) for v in gemv_k.depth_variants(shape, c)]
         tried += [replace(c, balanced=not c.balanced) for c in tried]
+        # The fused step's launches: their grids follow their own kernels' occupancy (the pending
+        # variant's registers differ from the plain kernel's), so build those kernels first, in parallel.
+        build.compile_all(gemv_k.GemvModules([(self.pending_shape(role), self.pending_config(role, c)) for c in tried],
+                                             self.compute_capability).modules)
         options, seen = [], {}
         for config in tried:
             kernel = replace(self.pending_config(role, config), balanced=False)     # the grid tells that apart
-            runs = (kernel, self.gemv_launch(role, 0, config).grid)
+            runs = (kernel, self.gemv_launch(role, 0, config, pending=True).grid)
             if runs not in seen:
                 seen[runs] = config
                 options.append(config)

@@ -610,7 +610,7 @@ def test_the_grid_stage_tries_the_other_grid_where_it_differs():
     assert CudaBackend.grid_options(fake, "wo", C(1, 8, 1, 4)) == []       # one round of 256 tiles either way
 
 
-def test_the_fused_step_retries_the_gemvs_that_read_the_residual():
+def test_the_fused_step_retries_the_gemvs_that_read_the_residual(monkeypatch):
     """CudaBackend.fused_reader_options (the tuner's last stage where the MLP is fused): the other grid
     of the chosen configuration where it differs, and for the output head also every configuration
     tied with it alone (autotune.TIE) at each depth; options that run the same kernel and grid in the
@@ -627,8 +627,17 @@ def test_the_fused_step_retries_the_gemvs_that_read_the_residual():
         shapes=shapes,
         tuning_times={"output": {C(2, 4): 17.0, C(2, 8): 17.3, C(2, 16): 17.5, C(1, 8): 18.0}},
         pending_config=lambda role, c: gemv_k.pending_variant(replace(shapes[role], input="rmsnorm_pending"), c))
-    fake.gemv_launch = lambda role, layer, c: SimpleNamespace(grid=(gemv_k.grid_units(
-        -(-gemv_k.output_rows(fake.shapes[role]) // (16 * c.row_tiles)), slots[c.warps], c.balanced),))
+    fake.pending_shape = lambda role: role
+    fake.compute_capability = 90
+    built = []
+    monkeypatch.setattr(build, "compile_all", lambda modules: built.append(modules))
+    monkeypatch.setattr(gemv_k, "GemvModules", lambda items, cc: SimpleNamespace(modules=items))
+
+    def launch(role, layer, c, pending=False):        # the fused step's launch: the grid of its own kernel
+        assert pending and built, "the pending variants are built first"
+        return SimpleNamespace(grid=(gemv_k.grid_units(
+            -(-gemv_k.output_rows(fake.shapes[role]) // (16 * c.row_tiles)), slots[c.warps], c.balanced),))
+    fake.gemv_launch = launch
     head = CudaBackend.fused_reader_options(fake, "output", C(2, 4, depth=2))
     assert C(2, 4, depth=2) not in head and len(head) == len(set(head))
     assert {(c.warps, c.depth, c.balanced) for c in head} == {
