@@ -512,18 +512,26 @@ class CudaBackend(Backend):
 
     def fused_reader_options(self, role: str, chosen: gemv_k.GemvConfig) -> list:
         """What the tuner's last stage tries for a GEMV that reads the fused step's fixed-point
-        residual (wqkv, wo, output): the chosen configuration with the other grid and, for the
-        output head, every configuration that tied with it alone (autotune.TIE), at each depth,
-        with either grid. Only options that run a different kernel or grid in the fused step
-        (pending_config, and the grid of that kernel's launch).
+        residual (wqkv, wo, output): the chosen configuration with the other grid; for the output
+        head, every configuration that tied with it alone (autotune.TIE), and for an unsplit o
+        projection the fastest split-K one alone, at each depth, with either grid. Only options that
+        run a different kernel or grid in the fused step (pending_config, and the grid of that
+        kernel's launch).
         The head is the one whose earlier stages skip (its depth moved the unfused step by less
         than the noise), and in the fused step it moved it most: on one H200, TinyLlama q4 404.2 ->
         401.7 us per token from R2/w8/d2 to d1 with the balanced grid, and fresh tunings that gave
-        the head's tie between 4 and 8 warps to 4 stepped 1% slower (BENCHMARKS.md s19)."""
+        the head's tie between 4 and 8 warps to 4 stepped 1% slower (BENCHMARKS.md s19). The o
+        projection launches just before the fused MLP, whose clusters start early in the SMs it
+        leaves free: TinyLlama f16's split-K R2/w8/d2 (6% behind the fastest alone, so never in its
+        step contest) made the fused step 0.8% faster than the chosen R2/w16/d2 (BENCHMARKS.md s21)."""
         shape = self.shapes[role]
         tried = [chosen]
-        if role == "output" and self.tuning_times.get(role):
-            tried += [v for c in autotune.tied(self.tuning_times[role]) for v in gemv_k.depth_variants(shape, c)]
+        alone = self.tuning_times.get(role) or {}
+        if role == "output" and alone:
+            tried += [v for c in autotune.tied(alone) for v in gemv_k.depth_variants(shape, c)]
+        split = [c for c in alone if c.split > 1]
+        if role == "wo" and chosen.split == 1 and split:
+            tried += gemv_k.depth_variants(shape, min(split, key=alone.get))
         tried += [replace(c, balanced=not c.balanced) for c in tried]
         # The fused step's launches: their grids follow their own kernels' occupancy (the pending
         # variant's registers differ from the plain kernel's), so build those kernels first, in parallel.

@@ -612,16 +612,18 @@ def test_the_grid_stage_tries_the_other_grid_where_it_differs():
 
 def test_the_fused_step_retries_the_gemvs_that_read_the_residual(monkeypatch):
     """CudaBackend.fused_reader_options (the tuner's last stage where the MLP is fused): the other grid
-    of the chosen configuration where it differs, and for the output head also every configuration
-    tied with it alone (autotune.TIE) at each depth; options that run the same kernel and grid in the
-    fused step (gemv.pending_variant) are tried once, the chosen one not at all."""
+    of the chosen configuration where it differs, for the output head also every configuration tied
+    with it alone (autotune.TIE) at each depth, for an unsplit o projection the fastest split-K one
+    alone at each depth; options that run the same kernel and grid in the fused step
+    (gemv.pending_variant) are tried once, the chosen one not at all."""
     from types import SimpleNamespace
 
     from tinyinfer.runtime.cuda_backend import CudaBackend
 
     C = gemv_k.GemvConfig
     shapes = {"wqkv": gemv_k.GemvShape("q4", 64, 2560, 2048, 2048, "rmsnorm", "store"),
-              "output": gemv_k.GemvShape("q4", 64, 32000, 2048, 2048, "rmsnorm", "store_argmax")}
+              "output": gemv_k.GemvShape("q4", 64, 32000, 2048, 2048, "rmsnorm", "store_argmax"),
+              "wo": gemv_k.GemvShape("f16", 0, 2048, 2048, 2048, "plain", "add")}
     slots = {4: 528, 8: 264, 16: 132}          # resident blocks by warps (two per SM at 8)
     fake = SimpleNamespace(
         shapes=shapes,
@@ -648,6 +650,10 @@ def test_the_fused_step_retries_the_gemvs_that_read_the_residual(monkeypatch):
     assert CudaBackend.fused_reader_options(fake, "wqkv", C(2, 4, depth=2)) == []
     fake.shapes = {**shapes, "wqkv": replace(shapes["wqkv"], rows=2560 * 4)}   # 640 tiles: two rounds of 528
     assert CudaBackend.fused_reader_options(fake, "wqkv", C(1, 4, depth=4)) == [C(1, 4, depth=4, balanced=True)]
+    # wo, unsplit: also the fastest split-K configuration alone, at each depth (64 tiles: one grid)
+    fake.tuning_times["wo"] = {C(2, 16): 4.7, C(1, 16): 4.8, C(2, 8, 2): 5.0, C(1, 8, 2): 5.1}
+    assert CudaBackend.fused_reader_options(fake, "wo", C(2, 16, depth=2)) == [C(2, 8, 2, depth=1), C(2, 8, 2, depth=2)]
+    assert CudaBackend.fused_reader_options(fake, "wo", C(2, 8, 2, depth=2)) == []           # already split
 
 
 def test_replay_timing_launches_the_graph_n_times_between_two_events():
