@@ -523,7 +523,8 @@ class CudaBackend(Backend):
         the head's tie between 4 and 8 warps to 4 stepped 1% slower (BENCHMARKS.md s19). The o
         projection launches just before the fused MLP, whose clusters start early in the SMs it
         leaves free: TinyLlama f16's split-K R2/w8/d2 (6% behind the fastest alone, so never in its
-        step contest) made the fused step 0.8% faster than the chosen R2/w16/d2 (BENCHMARKS.md s21)."""
+        step contest) made the fused step 0.5-0.8% faster than the chosen R2/w16/d2 with one tuning
+        of the other roles, and tied with another (BENCHMARKS.md s21)."""
         shape = self.shapes[role]
         tried = [chosen]
         alone = self.tuning_times.get(role) or {}
