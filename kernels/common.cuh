@@ -88,6 +88,29 @@ TI_DEVICE void mma_16816(float (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, 
 #endif
 }
 
+// D += A * B with A 16x32 unsigned bytes (row-major fragments: a0 rows 0-7 and a1 rows 8-15 at k
+// 4t..4t+3, a2 / a3 at k 16+4t..), B 32x8 signed bytes (b0 at k 4t.., b1 at k 16+4t..), D 16x8
+// int32, exact. Turing has only the m8n8k16 shape: there it is four of those (same registers).
+TI_DEVICE void mma_16832_u8s8(int (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm volatile(
+        "mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+#else
+    const u32 a[4] = {a0, a2, a1, a3}, b[2] = {b0, b1};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {      // rows 0-7 then 8-15, each over k 0-15 then 16-31
+        int& d0 = d[(i >> 1) * 2];
+        int& d1 = d[(i >> 1) * 2 + 1];
+        asm volatile("mma.sync.aligned.m8n8k16.row.col.s32.u8.s8.s32 {%0,%1}, {%2}, {%3}, {%0,%1};\n"
+                     : "+r"(d0), "+r"(d1)
+                     : "r"(a[i]), "r"(b[i & 1]));
+    }
+#endif
+}
+
 // Programmatic dependent launch (sm_90+, see kernels/pdl.py). A kernel launched early may read
 // weights, but must pdl_wait() before it touches activations the previous kernel writes or reads;
 // pdl_launch_dependents() lets the next kernel start as soon as every block of this one runs.

@@ -8,16 +8,26 @@
 // takes chunks w, w+nwarps, ...). Per chunk a lane issues 2*NL*RT independent 16-byte loads (rows
 // g and g+8 of each 16-row tile). Blocks are persistent and walk several tiles (see gemv below).
 //
-// Arithmetic. Weights are turned into fp16 values with one LOP3 per pair (q4: nibble | 0x6400 is
-// 1024+n; q8: byte | 0x6400 is 1024+u), their constant bias corrected once per section of x (see
-// weight_bias), and multiplied on the tensor cores with
-// mma.m16n8k16 (fp32 accumulation). The input vector x is staged once per block in shared memory
-// as two fp16 vectors, hi + lo (lo = the rounding error of hi, times LO_SCALE), in the order the
-// mma fragments want it. The mma's 8 output columns hold (section, hi/lo) pairs: each lane's
-// 16-byte load is one "section" of columns inside one quantization group, and B column 2t / 2t+1
-// carries x_hi / x_lo of section t only (see gemv below), so one mma yields each lane's own
-// section's dot product, as exact as with fp32 x, which the lane scales by its group's scale in fp32.
+// Arithmetic (f16, q8). Weights are turned into fp16 values with one LOP3 per pair (q8: byte | 0x6400
+// is 1024+u), their constant bias corrected once per section of x (see weight_bias), and multiplied
+// on the tensor cores with mma.m16n8k16 (fp32 accumulation). The input vector x is staged once per
+// block in shared memory as two fp16 vectors, hi + lo (lo = the rounding error of hi, times
+// LO_SCALE), in the order the mma fragments want it. The mma's 8 output columns hold (section,
+// hi/lo) pairs: each lane's 16-byte load is one "section" of columns inside one quantization group,
+// and B column 2t / 2t+1 carries x_hi / x_lo of section t only (see gemv below), so one mma yields
+// each lane's own section's dot product, as exact as with fp32 x, which the lane scales by its
+// group's scale in fp32.
 //
+// Arithmetic (q4): integer tensor cores. The nibbles n = q + 8 stay as they are, masked into bytes
+// (low nibbles with one LOP3 per 4 weights, high ones with a shift and a LOP3), and x is staged per
+// section of 32 columns as 16-bit integers x = s * (256 hi + lo) in two signed byte limbs with one
+// fp32 scale s (stage_group_q4). One mma.m16n8k32 (u8 x s8, int32 accumulation, exact) then
+// covers 32 columns of 16 rows where the fp16 path's covers 16, with fewer conversion instructions
+// per weight; B columns 2t / 2t+1 carry the hi / lo limbs of section t, as above. The section's sum
+// is put together in integers, less the bias 8 sum(x), and scaled once in fp32 (add_piece). x's
+// rounding to 16 bits of its section's largest |x| (half of 2^-15 of it) is the only approximation:
+// ~1e-5 of a result, unless one value of a section is hundreds of times its neighbours.
+
 // Fusions. RMSNorm (x * rsqrt(mean(x^2)+eps) * w): the input stage stages x * w and the sums of
 // squares, and the epilogue multiplies each output by the factor (see stage_input). The epilogue
 // stores y, adds it into a residual, or (for the fused [gate; up] matrix) stores
@@ -55,16 +65,9 @@ template <> struct Weights<W_F16> { static constexpr int KPL = 8; };
 template <> struct Weights<W_Q8>  { static constexpr int KPL = 16; };
 template <> struct Weights<W_Q4>  { static constexpr int KPL = 32; };
 
-// Staged position of column k: 8 halves of padding after every 64 keep the four lanes of a row
-// on different shared-memory banks. q4 also permutes each 8-group to (0,4,1,5,2,6,3,7), the order
-// in which the nibble trick produces half2 pairs.
+// Staged position of column k (f16, q8): 8 halves of padding after every 64 keep the four lanes of
+// a row on different shared-memory banks.
 __device__ __forceinline__ int staged_index(int k) { return k + ((k >> 6) << 3); }
-
-template <int WT>
-__device__ __forceinline__ int staged_slot(int i) {    // slot of element i (0..7) within its 8-group
-    if (WT == W_Q4) return ((i & 3) << 1) | (i >> 2);
-    return i;
-}
 
 // (a & mask) | bits in one LOP3: written as C, the compiler emits two (one immediate per LOP3).
 __device__ __forceinline__ u32 and_or(u32 a, u32 mask, u32 bits) {
@@ -80,32 +83,20 @@ __device__ __forceinline__ void a_pair(const uint4& v, int i, u32& lo, u32& hi) 
     if (WT == W_F16) {
         lo = w[2 * i];
         hi = w[2 * i + 1];
-    } else if (WT == W_Q8) {                 // 1024 + (b + 128) = 1152 + q: the bias is corrected later
+    } else {                                 // q8: 1024 + (b + 128) = 1152 + q, the bias corrected later
         const u32 u = w[i] ^ 0x80808080u;    // signed byte b -> unsigned b + 128
         lo = __byte_perm(u, 0x64646464u, 0x4140);
         hi = __byte_perm(u, 0x64646464u, 0x4342);
-    } else {                                 // 1024 + n (even columns), 1024 + 16 n (odd columns)
-        const u32 word = (i & 1) ? (w[i >> 1] >> 8) : w[i >> 1];
-        lo = and_or(word, 0x000F000Fu, 0x64006400u);
-        hi = and_or(word, 0x00F000F0u, 0x64006400u);
     }
 }
 
-// Weight bias. The A fragments are the raw fp16 values of the bit trick, without subtracting the
-// bias: q4 gives 1024 + n at even columns and 1024 + 16 n at odd ones (n = q + 8), q8 gives
-// 1152 + q. Odd q4 columns are staged as x / 16 (exact), so every product is q x + c x with
-// c = 1032 (even) or 72 (odd) for q4 and 1152 for q8, and the kernel subtracts, per section of KPL
-// columns, corr = sum c x computed once here. The raw products stay exact in fp32 and the sums
-// carry about 2^-24 * 1032 * sum|x| of rounding, ~1e-5 of the result.
+// Weight bias. The q8 A fragments are the raw fp16 values of the bit trick, 1152 + q, without
+// subtracting the bias: every product is q x + 1152 x, and the kernel subtracts, per section of KPL
+// columns, corr = sum 1152 x computed once here. The raw products stay exact in fp32 and the sums
+// carry about 2^-24 * 1152 * sum|x| of rounding, ~1e-5 of the result.
 template <int WT>
-__device__ __forceinline__ float weight_bias(int i) {      // i: column within its group of 8
-    if (WT == W_Q4) return (i & 1) ? 72.f : 1032.f;
+__device__ __forceinline__ float weight_bias() {
     return WT == W_Q8 ? 1152.f : 0.f;
-}
-
-template <int WT>
-__device__ __forceinline__ float staged_factor(int i) {
-    return (WT == W_Q4 && (i & 1)) ? 0.0625f : 1.f;
 }
 
 // Convert the input vector into fp16 shared memory, and write the bias correction of each section
@@ -169,6 +160,66 @@ __device__ __forceinline__ void prefetch_norm_weight(float* area, const float* _
     for (int i = threadIdx.x; i < (K >> 2); i += blockDim.x) copy16_async(area + 4 * i, aux + 4 * i);
 }
 
+// q4's staged input (gemv's xs and xs_lo, as the fp16 path lays them out, reused): section s (32
+// columns) is 64 bytes at xs + 64 s, the hi limbs then the lo limbs, each in the order of
+// mma.m16n8k32's B fragments: per 16 columns (m = 0, 1), the even columns of both 8-groups, then
+// their odd columns (the order in which the nibble masks produce A bytes, see piece_products_q4).
+// Its scale and the bias 8 sum(x) (as int bits) are the float2 at xs_lo[s].
+#define Q4_SECTION_BYTES 64
+#define Q4_RANGE 32512.f       // 127 * 256: the hi limb (x + 128) >> 8 stays within a signed byte
+
+__device__ __forceinline__ float2* q4_sections(__half* xs_lo) { return reinterpret_cast<float2*>(xs_lo); }
+__device__ __forceinline__ const float2* q4_sections(const __half* xs_lo) { return reinterpret_cast<const float2*>(xs_lo); }
+
+// Value i (0..7) of group b (columns 8b .. 8b+7): `value` holds it when b < full, else the column is
+// read alone (K not a multiple of 8) or is zero padding.
+template <int IN>
+__device__ __forceinline__ float group_value(const float* __restrict__ x, const long long* __restrict__ pending,
+                                             const float* __restrict__ aux, int K, int b, int full, int groups,
+                                             const float (&value)[8], int i) {
+    if (b < full) return value[i];
+    return b < groups ? stage_value<IN>(x, pending, aux, K, b * 8 + i) : 0.f;
+}
+
+// Group b of a q4 input to shared memory (the layout above). The four lanes of a section agree on
+// its scale (the largest |x| / Q4_RANGE) and sum its integers by shuffles.
+template <int IN>
+__device__ __forceinline__ void stage_group_q4(__half* xs, __half* xs_lo, const float* __restrict__ x,
+                                               const long long* __restrict__ pending, const float* __restrict__ aux,
+                                               int K, int b, int full, int groups, const float (&value)[8]) {
+    float v[8], largest = 0.f;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        v[i] = group_value<IN>(x, pending, aux, K, b, full, groups, value, i);
+        largest = fmaxf(largest, fabsf(v[i]));
+    }
+#pragma unroll
+    for (int o = 1; o < 4; o <<= 1) largest = fmaxf(largest, __shfl_xor_sync(0xffffffffu, largest, o));
+    const float to_int = largest > 0.f ? Q4_RANGE / largest : 0.f;
+    int sum = 0;
+    u32 hi[2] = {0u, 0u}, lo[2] = {0u, 0u};      // [even columns, odd columns], 4 bytes each
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        const int q = __float2int_rn(v[i] * to_int);
+        const int h = (q + 128) >> 8, l = q - (h << 8);
+        sum += q;
+        hi[i & 1] |= (u32)(h & 0xff) << (8 * (i >> 1));
+        lo[i & 1] |= (u32)(l & 0xff) << (8 * (i >> 1));
+    }
+#pragma unroll
+    for (int o = 1; o < 4; o <<= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    if (b >= groups) return;
+    const int section = b >> 2, in_section = b & 3;
+    unsigned char* at = reinterpret_cast<unsigned char*>(xs) + Q4_SECTION_BYTES * section
+                        + 16 * (in_section >> 1) + 4 * (in_section & 1);
+#pragma unroll
+    for (int p = 0; p < 2; ++p) {                // p: even / odd columns
+        *reinterpret_cast<u32*>(at + 8 * p) = hi[p];
+        *reinterpret_cast<u32*>(at + 32 + 8 * p) = lo[p];
+    }
+    if (in_section == 0) q4_sections(xs_lo)[section] = make_float2(largest / Q4_RANGE, __int_as_float(8 * sum));
+}
+
 // Group b (columns 8b .. 8b+7) to shared memory: `value` holds the staged values when b < full,
 // else the columns are read one by one (K not a multiple of 8) or are zero padding. Every thread
 // of a warp calls this together (the section sums shuffle across lanes).
@@ -176,14 +227,18 @@ template <int WT, int IN>
 __device__ __forceinline__ void stage_group(__half* xs, __half* xs_lo, float* corr, const float* __restrict__ x,
                                             const long long* __restrict__ pending, const float* __restrict__ aux,
                                             int K, int b, int full, int groups, const float (&value)[8]) {
+    if (WT == W_Q4) {
+        stage_group_q4<IN>(xs, xs_lo, x, pending, aux, K, b, full, groups, value);
+        return;
+    }
     constexpr int GROUPS_PER_SECTION = Weights<WT>::KPL / 8;
     float out[8], bias_sum = 0.f;
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
         float v = value[i];
         if (b >= full) v = b < groups ? stage_value<IN>(x, pending, aux, K, b * 8 + i) : 0.f;
-        bias_sum += weight_bias<WT>(i) * v;
-        out[staged_slot<WT>(i)] = v * staged_factor<WT>(i);
+        bias_sum += weight_bias<WT>() * v;
+        out[i] = v;
     }
     // A section is GROUPS_PER_SECTION consecutive groups, held by consecutive lanes.
 #pragma unroll
@@ -375,6 +430,62 @@ __device__ __forceinline__ float section_sum(float d_hi, float d_lo, float c) {
     return fmaf(d_lo, 1.f / LO_SCALE, d_hi) - c;
 }
 
+// q4: the products of piece j with the staged section at xp (two uint4: m = 0, 1), as integers
+// (mma.m16n8k32, see the arithmetic above): the even columns' nibbles (low) and the odd columns'
+// (high, shifted down) against the matching limbs, into one accumulator per row tile.
+template <int RT>
+__device__ __forceinline__ void piece_products_q4(const uint4 (&slot)[RT][2][NL], int j, const uint4* xp,
+                                                  int (&d)[RT][4]) {
+#pragma unroll
+    for (int rt = 0; rt < RT; ++rt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) d[rt][i] = 0;
+    constexpr u32 NIBBLES = 0x0F0F0F0Fu;
+#pragma unroll
+    for (int m = 0; m < 2; ++m) {
+        const uint4 xv = xp[m];      // {even columns of 8-groups 2m, 2m+1; their odd columns}
+#pragma unroll
+        for (int rt = 0; rt < RT; ++rt) {
+            const uint4 r0 = slot[rt][0][j], r8 = slot[rt][1][j];   // rows g, g + 8: 8-groups 0..3
+            const u32 g0 = m ? r0.z : r0.x, g1 = m ? r0.w : r0.y, h0 = m ? r8.z : r8.x, h1 = m ? r8.w : r8.y;
+            mma_16832_u8s8(d[rt], g0 & NIBBLES, h0 & NIBBLES, g1 & NIBBLES, h1 & NIBBLES, xv.x, xv.y);
+            mma_16832_u8s8(d[rt], (g0 >> 4) & NIBBLES, (h0 >> 4) & NIBBLES, (g1 >> 4) & NIBBLES, (h1 >> 4) & NIBBLES,
+                           xv.z, xv.w);
+        }
+    }
+}
+
+// q4: a row's sum(q x_int) over the section from its limb columns (i: 0 for row g, 2 for g + 8),
+// less the bias 8 sum(x_int).
+__device__ __forceinline__ int q4_section_sum(const int (&d)[4], int i, int bias) {
+    return (d[i] << 8) + d[i + 1] - bias;
+}
+
+// q4: adds piece j of a ring slot (weights and their raw fp16 scales) to acc: acc[rt][h] += row's
+// product over the lane's section `section` of the staged input, times its scale. mine: the
+// staged input plus 32 bytes for odd g (the lo limbs; see stage_group_q4); lo: its section data.
+// `feeds`: the lane feeds B (g / 2 == t), the others read the zeros at x_zeros (the same bytes for
+// all: a broadcast, no branch). `inside`: false for a section past the row's end, a reload counted
+// as zero. (f16 and q8 do the same inline in gemv and mlp: their machine code stays as it was.)
+template <int RT>
+__device__ __forceinline__ void add_piece_q4(const uint4 (&slot)[RT][2][NL], const unsigned short (&sc)[RT][2][NL], int j,
+                                             const __half* mine, const __half* lo, const uint4* x_zeros, bool feeds,
+                                             int section, bool inside, float (&acc)[RT][2]) {
+    const uint4* xp = feeds ? reinterpret_cast<const uint4*>(mine + Q4_SECTION_BYTES / 2 * section) : x_zeros;
+    int d[RT][4];
+    piece_products_q4<RT>(slot, j, xp, d);
+    const float2 data = q4_sections(lo)[section];
+    const float x_scale = inside ? data.x : 0.f;
+    const int bias = __float_as_int(data.y);
+#pragma unroll
+    for (int rt = 0; rt < RT; ++rt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const float w_scale = __half2float(__ushort_as_half(sc[rt][h][j]));
+            acc[rt][h] = fmaf((float)q4_section_sum(d[rt], 2 * h, bias), w_scale * x_scale, acc[rt][h]);
+        }
+}
+
 // silu(gate) * up, one output of the fused [gate; up] matrix (runtime/reference.py swiglu).
 __device__ __forceinline__ float swiglu(float gate, float up) {
     return gate / (1.f + __expf(-gate)) * up;
@@ -398,8 +509,10 @@ __device__ __forceinline__ float residual_at(const float* y, const long long* pe
 // for q4 and q8 (H200: TinyLlama q4 -5.8% per token with depth 1 on wqkv, wo and gate/up and 3 on
 // the long-K down projection), while f16 keeps 4. Why is not pinned down: loading fewer items
 // before the wait at the same depth did not help (BENCHMARKS.md, s11), so it is not only the loads'
-// place ahead of the input's reads; a shallow ring also holds fewer registers (q4 R = 1: 86 at
-// depth 1, 128 at depth 4) and keeps fewer loads in flight per SM while other kernels' blocks run.
+// place ahead of the input's reads; a shallow ring also holds fewer registers (q4 R = 1 on the
+// fp16 tensor-core path of then: 86 at depth 1, 128 at depth 4) and keeps fewer loads in flight per
+// SM while other kernels' blocks run. (These were measured before q4 moved to the integer tensor
+// cores, s22; the tuner still chooses the depth per role in the step.)
 //
 // Refill (REFILL = 1, chosen in the decode step like the depth): the ring slot just multiplied is
 // reloaded inside the item, piece by piece, with predicated loads rather than after it. On an H200
@@ -475,8 +588,8 @@ __global__ void __launch_bounds__(WIDE ? 512 : 256, WIDE ? 1 : 2) gemv(
     const int my_chunks = warp < rank_chunks ? (rank_chunks - 1 - warp) / nwarps + 1 : 0;
     const int n_items = my_tiles * my_chunks;
 
-    const bool feeds_b = (g >> 1) == t;
-    const __half* x_mine = (g & 1) ? xs_lo : xs;
+    const bool feeds_b = (g >> 1) == t;        // lanes that feed B (see the arithmetic above)
+    const __half* x_mine = WT == W_Q4 ? xs + 16 * (g & 1) : (g & 1) ? xs_lo : xs;   // the B plane this lane reads
     uint4* x_zeros = reinterpret_cast<uint4*>(xs_lo + staged_index(nchunks * CW));   // 64 zero bytes
     if (threadIdx.x < 4) x_zeros[threadIdx.x] = make_uint4(0u, 0u, 0u, 0u);
     float* corr = reinterpret_cast<float*>(x_zeros + 4);       // [nchunks * CW / KPL] bias corrections
@@ -548,27 +661,32 @@ __global__ void __launch_bounds__(WIDE ? 512 : 256, WIDE ? 1 : 2) gemv(
     // next item's piece (tile `next_tile`, chunk `next_chunk`) once they are used, as predicated loads
     // in the same basic block as the products: the scheduler then converts the weights first and
     // issues the next item's loads right after the first mma, so they are in flight during the
-    // products (more registers: q4 R = 1 at depth 1 goes from 86 to 127). Without REFILL the slot is
+    // products (more registers: q4 R = 1 at depth 1 went from 86 to 127, s14). Without REFILL the slot is
     // loaded after the item, as a separate step (load_next).
     auto compute_item = [&](int b, int chunk, float (&acc)[RT][2], bool refill, int next_tile, int next_chunk) {
         const int kb = chunk * CW;
 #pragma unroll
         for (int j = 0; j < NL; ++j) {
-            float d[RT][4];
-            // Lanes that feed no B column read zeros (the same bytes for all: a broadcast, no branch).
-            const uint4* xp = feeds_b ? reinterpret_cast<const uint4*>(x_mine + staged_index(kb + j * 4 * KPL + t * KPL))
-                                      : x_zeros;
-            piece_products<WT, RT>(wv[b], j, xp, d);
-            // d[rt] = {D[g][2t], D[g][2t+1], D[g+8][2t], D[g+8][2t+1]}: x_hi and x_lo parts of section t
-            const int section = kb / KPL + 4 * j + t;
-            const bool inside = section * KPL < kpad;                   // else the section was a reload
-            const float c = WT == W_F16 ? 0.f : corr[section];
+            if (WT == W_Q4) {
+                const int section = kb / KPL + 4 * j + t;
+                add_piece_q4<RT>(wv[b], sc[b], j, x_mine, xs_lo, x_zeros, feeds_b, section, section * KPL < kpad, acc);
+            } else {
+                float d[RT][4];
+                // Lanes that feed no B column read zeros (the same bytes for all: a broadcast, no branch).
+                const uint4* xp = feeds_b ? reinterpret_cast<const uint4*>(x_mine + staged_index(kb + j * 4 * KPL + t * KPL))
+                                          : x_zeros;
+                piece_products<WT, RT>(wv[b], j, xp, d);
+                // d[rt] = {D[g][2t], D[g][2t+1], D[g+8][2t], D[g+8][2t+1]}: x_hi and x_lo parts of section t
+                const int section = kb / KPL + 4 * j + t;
+                const bool inside = section * KPL < kpad;                   // else the section was a reload
+                const float c = WT == W_F16 ? 0.f : corr[section];
 #pragma unroll
-            for (int rt = 0; rt < RT; ++rt) {
-                const float s0 = WT == W_F16 ? 1.f : __half2float(__ushort_as_half(sc[b][rt][0][j]));
-                const float s1 = WT == W_F16 ? 1.f : __half2float(__ushort_as_half(sc[b][rt][1][j]));
-                acc[rt][0] = fmaf(section_sum(d[rt][0], d[rt][1], c), inside ? s0 : 0.f, acc[rt][0]);
-                acc[rt][1] = fmaf(section_sum(d[rt][2], d[rt][3], c), inside ? s1 : 0.f, acc[rt][1]);
+                for (int rt = 0; rt < RT; ++rt) {
+                    const float s0 = WT == W_F16 ? 1.f : __half2float(__ushort_as_half(sc[b][rt][0][j]));
+                    const float s1 = WT == W_F16 ? 1.f : __half2float(__ushort_as_half(sc[b][rt][1][j]));
+                    acc[rt][0] = fmaf(section_sum(d[rt][0], d[rt][1], c), inside ? s0 : 0.f, acc[rt][0]);
+                    acc[rt][1] = fmaf(section_sum(d[rt][2], d[rt][3], c), inside ? s1 : 0.f, acc[rt][1]);
+                }
             }
             if (REFILL) refill_piece(b, j, next_tile, next_chunk, refill);
         }

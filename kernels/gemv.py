@@ -131,7 +131,8 @@ def pending_variant(shape: GemvShape, config: GemvConfig) -> GemvConfig:
     instead), and the o projection's R = 2 ring refilled during them (refilled after them instead;
     q8 still spills 32 bytes there). Since RMSNorm's factor moved to the epilogue (s20) the first no
     longer spills, and stays for speed: in TinyLlama q4's fused step with wqkv R1/w8/d4, depth 3 took
-    400.6-401.5 us per token and depth 4 402.9-404.0 (H200, BENCHMARKS.md s21)."""
+    400.6-401.5 us per token and depth 4 402.9-404.0 (H200, BENCHMARKS.md s21; measured on q4's fp16
+    tensor-core path, before the integer one of s22, and not measured again since)."""
     if shape.encoding == "f16":
         return config
     if shape.input == "rmsnorm_pending" and shape.encoding == "q4" and config.row_tiles == 1 \
@@ -183,7 +184,8 @@ def shared_bytes(shape: GemvShape, config: GemvConfig) -> int:
     chunk = CHUNK_K[shape.encoding]
     sections = -(-shape.cols_pad // chunk) * chunk // (chunk // 8)      # KPL = chunk / 8 columns each
     # x as fp16 hi and lo halves (lo 32 bytes further on), 64 zero bytes, one float of bias
-    # correction per section
+    # correction per section (q4 lays out its integer limbs and section data in the same area:
+    # gemv.cu stage_group_q4)
     return scratch + 2 * 2 * staged_halves(shape) + 32 + 64 + 4 * sections
 
 

@@ -141,9 +141,13 @@ __global__ void __launch_bounds__(WIDE ? 512 : 256, WIDE ? 1 : 2) mlp(
     auto compute = [&](int b, int i, const __half* hi, const __half* lo, const float* corr, int base,
                        float (&acc)[RT][2]) {
         const int kb = item_col(i) - base;
-        const __half* mine = (g & 1) ? lo : hi;
+        const __half* mine = WT == W_Q4 ? hi + 16 * (g & 1) : (g & 1) ? lo : hi;
 #pragma unroll
         for (int j = 0; j < NL; ++j) {
+            if (WT == W_Q4) {
+                add_piece_q4<RT>(wv[b], sc[b], j, mine, lo, x_zeros, (g >> 1) == t, kb / KPL + 4 * j + t, true, acc);
+                continue;
+            }
             float d[RT][4];
             const uint4* xp = (g >> 1) == t ? reinterpret_cast<const uint4*>(mine + staged_index(kb + j * 4 * KPL + t * KPL))
                                             : x_zeros;

@@ -171,9 +171,9 @@ def test_gemv_every_group_size(cupy_gpu, cc, encoding, group, cols):
 
 @pytest.mark.parametrize("encoding", ["f16", "q8", "q4"])
 def test_gemv_inputs_with_outliers_and_zeros(cupy_gpu, cc, encoding):
-    """x is staged in shared memory in a narrower format than fp32 (fp16 hi + lo): inputs spanning
-    12 orders of magnitude (a few "massive activations", tiny values, all-zero stretches) must keep
-    the products within the bound."""
+    """x is staged in shared memory in a narrower format than fp32 (fp16 hi + lo; q4: 16-bit integers
+    per section of 32 columns): inputs spanning 12 orders of magnitude (a few "massive activations",
+    tiny values, all-zero stretches) must keep the products within the bound."""
     rng = np.random.default_rng(11)
     k = 4096
     x = rng.standard_normal(k).astype(np.float32)
@@ -190,10 +190,10 @@ def test_gemv_inputs_with_outliers_and_zeros(cupy_gpu, cc, encoding):
 @pytest.mark.parametrize("row_tiles,warps", [(1, 8), (2, 16)])
 def test_gemv_small_inputs_keep_their_precision(cupy_gpu, cc, encoding, row_tiles, warps):
     """Inputs of small values: a small activation, or a small residual, which RMSNorm stages as
-    x * w before its factor (gemv.cu stage_input). x is staged as fp16 hi + lo, and the rounding
-    error lo of a value of 1e-3 (q4 stages odd columns / 16: 6e-5) is a subnormal fp16. Staged
-    scaled up (LO_SCALE), it keeps the error of the products what it is for the same input at
-    ordinary size; at 1e-5, where hi itself is subnormal, within the bound."""
+    x * w before its factor (gemv.cu stage_input). f16 and q8 stage x as fp16 hi + lo, and the
+    rounding error lo of a value of 1e-3 is a subnormal fp16. Staged scaled up (LO_SCALE), it keeps
+    the error of the products what it is for the same input at ordinary size; at 1e-5, where hi
+    itself is subnormal, within the bound. (q4 stages integers scaled per section: any size.)"""
     k = 2048
     x = np.random.default_rng(12).standard_normal(k).astype(np.float32)
     tensor = random_encoded(encoding, (512, k), None if encoding == "f16" else 64, np.random.default_rng(13),
