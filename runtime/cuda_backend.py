@@ -583,17 +583,29 @@ class CudaBackend(Backend):
         return moves
 
     def wide_moves(self, best: dict) -> list:
-        """The joint move to wide blocks (gemv.cu WIDE) for autotune.moves_in_step: every role at its
-        fastest wide configuration timed alone. On one H200, TinyLlama f16 took 6% less per token with
-        every GEMV in wide blocks, while no role alone gained more than 1.3%, likely because a wide
-        block takes a whole SM, which a wide block of the kernel before frees at once, and two blocks
-        of 8 warps only when both have ended (BENCHMARKS.md s16)."""
+        """The joint moves to wide blocks (gemv.cu WIDE) for autotune.moves_in_step: every role at its
+        fastest wide configuration timed alone, at that default depth and at each depth of
+        gemv.STEP_DEPTHS (roles whose row tiles do not have that depth keep theirs). On one H200,
+        TinyLlama f16 took 6% less per token with every GEMV in wide blocks, while no role alone gained
+        more than 1.3%, likely because a wide block takes a whole SM, which a wide block of the kernel
+        before frees at once, and two blocks of 8 warps only when both have ended (BENCHMARKS.md s16).
+        The depths: Llama-2-7B q4 took 1,338-1,345 us per token with every GEMV wide at depth 1 (the
+        head as tuned) against 1,402-1,414 with its tuned set, whose wide move at the default depth
+        had measured 1,421 (s22)."""
         wide = {}
         for role, times in self.tuning_times.items():
             timed = {c: us for c, us in times.items() if c.wide}
             if timed:
                 wide[role] = min(timed, key=timed.get)
-        return [wide] if any(best[role] != config for role, config in wide.items()) else []
+        moves = [wide]
+        for depth in sorted({d for depths in gemv_k.STEP_DEPTHS.values() for d in depths}):
+            moves.append({role: replace(c, depth=depth) if depth in gemv_k.STEP_DEPTHS[c.row_tiles] else c
+                          for role, c in wide.items()})
+        distinct = []
+        for move in moves:
+            if move not in distinct and any(best[role] != config for role, config in move.items()):
+                distinct.append(move)
+        return distinct
 
     def grid_options(self, role: str, chosen: gemv_k.GemvConfig) -> list:
         """The chosen configuration with the balanced grid (gemv.grid_units), where that is a

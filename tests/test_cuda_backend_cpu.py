@@ -568,10 +568,12 @@ def test_a_contest_loser_is_tried_again_with_its_neighbours_depths():
     assert autotune.moves_in_step(best, [], step_us) == (best, {})
 
 
-def test_every_role_in_wide_blocks_is_one_joint_move():
+def test_every_role_in_wide_blocks_is_one_joint_move_per_depth():
     """CudaBackend.wide_moves: each role at its fastest wide configuration timed alone, as one move
     (as on one H200: TinyLlama f16 748 -> 704 us per token with every GEMV in wide blocks, while no
-    role alone gained more than 1.3%); none when the choices are wide already or none was timed."""
+    role alone gained more than 1.3%), and the same move at each step depth that its row tiles have
+    (Llama-2-7B q4, s22: all wide at depth 1 was 5% faster than at the default depths); none that
+    repeats another or the choices, none when no wide configuration was timed."""
     from types import SimpleNamespace
 
     from tinyinfer.runtime.cuda_backend import CudaBackend
@@ -581,17 +583,20 @@ def test_every_role_in_wide_blocks_is_one_joint_move():
              "w_down": {C(1, 8, 2): 6.0, C(1, 16, 2): 6.1, C(2, 16): 6.4, C(1, 8): 7.0}}
     best = {"wqkv": C(1, 8, depth=1), "w_down": C(1, 8, 2, depth=2)}
     fake = SimpleNamespace(tuning_times=times)
-    move = {"wqkv": C(2, 16), "w_down": C(1, 16, 2)}
-    assert CudaBackend.wide_moves(fake, best) == [move]
-    assert CudaBackend.wide_moves(fake, move) == []
+    move = {"wqkv": C(2, 16), "w_down": C(1, 16, 2)}             # default depths: 2 (R = 2) and 4 (R = 1)
+    at = lambda d2, d1: {"wqkv": C(2, 16, depth=d2), "w_down": C(1, 16, 2, depth=d1)}
+    # R = 2 has depths 1 and 2 only: at depths 3 and 4 the wqkv keeps its default 2 (depth 4 is `move`)
+    assert CudaBackend.wide_moves(fake, best) == [move, at(1, 1), at(2, 2), at(2, 3)]
+    assert CudaBackend.wide_moves(fake, move) == [at(1, 1), at(2, 2), at(2, 3)]
     assert CudaBackend.wide_moves(SimpleNamespace(tuning_times={}), best) == []
 
-    def step_us(tuning):                  # each wide role alone is slower; both together are faster
-        wide = sum(config.wide for config in tuning.values())
-        return {0: 748.0, 1: 750.0, 2: 704.0}[wide]
+    def step_us(tuning):                  # each wide role alone is slower; both together are faster,
+        wide = sum(config.wide for config in tuning.values())      # the more so both at depth 1
+        shallow = all(config.depth == 1 for config in tuning.values())
+        return {0: 748.0, 1: 750.0, 2: 704.0}[wide] - (10.0 if shallow and wide == 2 else 0.0)
 
     chosen, held = autotune.moves_in_step(best, CudaBackend.wide_moves(fake, best), step_us)
-    assert chosen == move and held == {tuple(move.items()): 704.0}
+    assert chosen == at(1, 1) and held[tuple(move.items())] == 704.0 and held[tuple(at(1, 1).items())] == 694.0
 
 
 def test_the_grid_stage_tries_the_other_grid_where_it_differs():
