@@ -24,7 +24,7 @@
 // fp32 scale s (stage_group_q4). One mma.m16n8k32 (u8 x s8, int32 accumulation, exact) then
 // covers 32 columns of 16 rows where the fp16 path's covers 16, with fewer conversion instructions
 // per weight; B columns 2t / 2t+1 carry the hi / lo limbs of section t, as above. The section's sum
-// is put together in integers, less the bias 8 sum(x), and scaled once in fp32 (add_piece). x's
+// is put together in integers, less the bias 8 sum(x), and scaled once in fp32 (add_piece_q4). x's
 // rounding to 16 bits of its section's largest |x| (half of 2^-15 of it) is the only approximation:
 // ~1e-5 of a result, unless one value of a section is hundreds of times its neighbours.
 
@@ -68,13 +68,6 @@ template <> struct Weights<W_Q4>  { static constexpr int KPL = 32; };
 // Staged position of column k (f16, q8): 8 halves of padding after every 64 keep the four lanes of
 // a row on different shared-memory banks.
 __device__ __forceinline__ int staged_index(int k) { return k + ((k >> 6) << 3); }
-
-// (a & mask) | bits in one LOP3: written as C, the compiler emits two (one immediate per LOP3).
-__device__ __forceinline__ u32 and_or(u32 a, u32 mask, u32 bits) {
-    u32 r;
-    asm("lop3.b32 %0, %1, %2, %3, 0xEA;\n" : "=r"(r) : "r"(a), "r"(mask), "r"(bits));
-    return r;
-}
 
 // A-fragment pair (k pair a0, k pair a2) for mma number `i` (0 .. KPL/4-1) of a 16-byte load.
 template <int WT>
