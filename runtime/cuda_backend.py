@@ -530,8 +530,8 @@ class CudaBackend(Backend):
         alone = self.tuning_times.get(role) or {}
         if role == "output" and alone:
             tried += [v for c in autotune.tied(alone) for v in gemv_k.depth_variants(shape, c)]
-        split = [c for c in alone if c.split > 1]
-        if role == "wo" and chosen.split == 1 and split:
+        split = [c for c in alone if c.split > 1] if role == "wo" and chosen.split == 1 else []
+        if split:
             tried += gemv_k.depth_variants(shape, min(split, key=alone.get))
         tried += [replace(c, balanced=not c.balanced) for c in tried]
         # The fused step's launches: their grids follow their own kernels' occupancy (the pending
