@@ -227,7 +227,7 @@ __device__ __forceinline__ void stage_group(__half* xs, __half* xs_lo, float* co
     constexpr int GROUPS_PER_SECTION = Weights<WT>::KPL / 8;
     float out[8], bias_sum = 0.f;
 #pragma unroll
-    for (int i = 0; i < 8; ++i) {
+    for (int i = 0; i < 8; ++i) {      // group_value written out: through it, nvcc schedules f16 and q8 differently
         float v = value[i];
         if (b >= full) v = b < groups ? stage_value<IN>(x, pending, aux, K, b * 8 + i) : 0.f;
         bias_sum += weight_bias<WT>() * v;
@@ -384,10 +384,12 @@ __device__ __forceinline__ int tile_outputs() {
 
 // The products of a ring slot's piece j (the lanes' j-th 16-byte loads of rows g and g + 8 of each
 // of the RT tiles) with the staged x at xp: d[rt] = A B, two mmas per 8 staged halves (see gemv).
-// Each mma waits for the previous one's accumulator (~30 cycles on Hopper), so a q4 piece, 8 mmas in
-// one chain, takes ~8 such latencies before its loads' registers are free. With one row tile the two
-// mmas of each 8 halves therefore go to two accumulators, summed at the end (chains of KPL / 8 mmas);
-// with two, the tiles' chains already interleave, and the second accumulator makes nvcc spill.
+// Each mma waits for the previous one's accumulator (~30 cycles on Hopper), so a piece's mmas in one
+// chain take as many such latencies before its loads' registers are free. With one row tile the two
+// mmas of each 8 halves of q8 therefore go to two accumulators, summed at the end (chains of KPL / 8
+// mmas; this was measured on q4's fp16 path, s20, whose pieces were chains of 8); with two, the
+// tiles' chains already interleave, and the second accumulator made nvcc spill. (q4 has its own,
+// shorter chains: piece_products_q4.)
 template <int WT, int RT>
 __device__ __forceinline__ void piece_products(const uint4 (&slot)[RT][2][NL], int j, const uint4* xp,
                                                float (&d)[RT][4]) {
