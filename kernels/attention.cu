@@ -723,6 +723,15 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS, 2) attention_rows(
 // 128 for 128); the first pass's rows below pos are loaded before the PDL wait. Each warp keeps a
 // FlashAttention state per head over its rows; the warps merge through shared memory.
 //
+// Context split (Hopper and newer: the grid is n_kv * S blocks launched in clusters of S along x,
+// S = gridDim.x / n_kv; the backend runs it from attention.py's long_from on). The S blocks of a
+// KV head share its rows: warp w of block `slice` is warp w S + slice of the KV head, so consecutive
+// row blocks go to different blocks and a shorter context still spreads over them. A pass then
+// covers S * PASS_ROWS rows, all loaded before the PDL wait: each later pass costs a dependent round
+// trip, which is what made long contexts slow (s13: Llama-2-7B q4 +46% per token at position
+// 2,048). The blocks merge their states as the chunked kernel's slices do (merge_cluster), unless
+// one block holds every row.
+//
 // Fragments (lane (g, t) of a warp, g = lane / 4, t = lane % 4):
 // - A (16 rows) holds each head twice: row h the fp16 value of its rotated, scaled q, row h + 8 the
 //   rounding error of that value (q = hi + lo), so the score C[h] + C[h + 8] is as exact as with
@@ -780,16 +789,19 @@ TI_DEVICE void attention_mma_body(const float* __restrict__ qkv, __half* __restr
     __shared__ float warp_o[MMA_WARPS][MMA_MAX_GROUP][HD];   // each warp's unnormalised output
     __shared__ float warp_ml[MMA_WARPS][MMA_MAX_GROUP][2];   // and its (max, sum) per head
     TI_PROBE;
-    const int kvh = blockIdx.x, group = n_heads / n_kv;
+    __shared__ float blk_o[MMA_MAX_GROUP * HD];               // context split: the block's merged state
+    __shared__ float blk_ml[MMA_MAX_GROUP * 2];
+    const int S = gridDim.x / n_kv, kvh = blockIdx.x / S, slice = blockIdx.x % S, group = n_heads / n_kv;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
+    const int kv_warp = warp * S + slice;                     // this warp's place among the KV head's
     const u32 row_stride = (u32)(n_kv * HD);               // halves; one layer's cache < 4 G values
     const __half* k_src = k_cache + kvh * HD + 8 * t;
     const __half* v_src = v_cache + kvh * HD + 8 * t;
     const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
 
     // Rows of this warp in a pass from `first`: block b, tile n (8 rows), lane row g.
-    auto row_of = [&](int first, int b, int n) { return first + warp * WARP_ROWS + 16 * b + 8 * n + g; };
+    auto row_of = [&](int first, int b, int n) { return first + kv_warp * WARP_ROWS + 16 * b + 8 * n + g; };
     uint4 kr[BLOCKS][2][PIECES], vr[BLOCKS][2][PIECES];
 
     pdl_launch_dependents();
@@ -822,6 +834,10 @@ TI_DEVICE void attention_mma_body(const float* __restrict__ qkv, __half* __restr
         }
     }
     asm volatile("" : "+r"(last_loaded));                    // opaque: the branch below stays
+    // Blocks holding rows (block `slice` holds row block `slice`): one alone writes the output as
+    // without the split; else all S meet in the merge (every block of a cluster calls its barriers).
+    const int active = min(S, (len + WARP_ROWS - 1) / WARP_ROWS);
+    if (active == 1 && slice > 0) return;
     if (last_loaded != (int)0x80000000) pdl_wait();
     TI_MARK(1);
 
@@ -860,7 +876,7 @@ TI_DEVICE void attention_mma_body(const float* __restrict__ qkv, __half* __restr
             split_half2(rotated[i][4 * h] * q_scale, rotated[i][4 * h + 1] * q_scale, qa[i][h][0], qa[i][h][1]);
             split_half2(rotated[i][4 * h + 2] * q_scale, rotated[i][4 * h + 3] * q_scale, qa[i][h][2], qa[i][h][3]);
         }
-    if (warp == 0 && g == 0) {               // the cache row, after every load (one round trip)
+    if (slice == 0 && warp == 0 && g == 0) {     // the cache row, after every load (one round trip)
 #pragma unroll
         for (int i = 0; i < PIECES; ++i) {
             *reinterpret_cast<uint4*>(k_cache + (size_t)pos * row_stride + kvh * HD + 32 * i + 8 * t) = k_new[i];
@@ -887,8 +903,8 @@ TI_DEVICE void attention_mma_body(const float* __restrict__ qkv, __half* __restr
     float o[TILES][4];                       // C fragments of p . V: rows g (P hi) and g + 8 (P lo)
 #pragma unroll
     for (int j = 0; j < TILES; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
-    for (int first = 0; first < len; first += PASS_ROWS) {
-        if (first + warp * WARP_ROWS >= len) break;               // (uniform across the warp)
+    for (int first = 0; first < len; first += S * PASS_ROWS) {
+        if (first + kv_warp * WARP_ROWS >= len) break;            // (uniform across the warp)
         if (first != 0) {                    // later passes: rows below len except pos (this step's)
 #pragma unroll
             for (int b = 0; b < BLOCKS; ++b)
@@ -920,7 +936,7 @@ TI_DEVICE void attention_mma_body(const float* __restrict__ qkv, __half* __restr
                                   word_of(kr[b][n][i], 2 * h), word_of(kr[b][n][i], 2 * h + 1));
 #pragma unroll
                 for (int e = 0; e < 2; ++e) {
-                    const int r = first + warp * WARP_ROWS + 16 * b + 8 * n + 2 * t + e;
+                    const int r = first + kv_warp * WARP_ROWS + 16 * b + 8 * n + 2 * t + e;
                     p[b][n][e] = r < len ? sc[e] + sc[2 + e] : -TI_INF;
                     top = fmaxf(top, p[b][n][e]);
                 }
@@ -983,8 +999,20 @@ TI_DEVICE void attention_mma_body(const float* __restrict__ qkv, __half* __restr
             num += warp_o[w][h][d] * f;
             den += warp_ml[w][h][1] * f;
         }
-        out[(size_t)(kvh * group + h) * HD + d] = num / den;
+        if (active == 1) {
+            out[(size_t)(kvh * group + h) * HD + d] = num / den;
+        } else {                             // (a block without rows leaves top -inf and zeros)
+            blk_o[idx] = num;
+            if (d == 0) {
+                blk_ml[2 * h] = top;
+                blk_ml[2 * h + 1] = den;
+            }
+        }
     }
+    if (active == 1) return;                 // the same for every block of the cluster
+    cluster_sync();                          // every block's state is in its shared memory
+    merge_cluster(blk_o, blk_ml, kvh, group, HD, slice, S, active, out);
+    cluster_sync();                          // peers keep their shared memory until everyone has read it
 }
 
 #define TI_ATTENTION_MMA(HD)                                                                                  \

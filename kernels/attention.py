@@ -1,7 +1,8 @@
 """Launching the decode attention kernels of attention.cu, and their NumPy reference.
 
-Three kernels, chosen by shape (`plan`): `attention_mma64/128` (a block per KV head, the cached
-rows in registers, products on the tensor cores) for groups of at most MMA_MAX_GROUP query heads per
+Three kernels, chosen by shape (`plan`): `attention_mma64/128` (a block per KV head, or at long
+contexts a cluster of blocks sharing its rows; the cached rows in registers, products on the tensor
+cores) for groups of at most MMA_MAX_GROUP query heads per
 KV head of head_dim 64 or 128; else `attention_rows` (a block per query head, the cached rows in
 registers) for groups of at least ROWS_MIN_GROUP; else `attention` (a block per KV head and context
 slice, chunks staged in shared memory, every row read once per group, the slices merged).
@@ -30,6 +31,7 @@ ROWS_MIN_GROUP = 8    # attention_rows serves groups of at least this many query
 MMA_MAX_GROUP = 8     # MMA_MAX_GROUP: attention_mma's A rows 8-15 carry the low halves of q
 MMA_HEAD_DIMS = (64, 128)
 MMA_THREADS = 256     # 32 * MMA_WARPS
+SMS_PER_SLICE = 2     # attention_mma at long contexts: at most one block per this many SMs
 
 
 def uses_cluster(compute_capability: int) -> bool:
@@ -72,6 +74,11 @@ class AttentionPlan:
     cluster: bool     # the module is compiled with thread-block clusters (ATT_USE_CLUSTER)
     slices: int       # blocks per KV head
     threads: int      # per block
+    long_slices: int = 1   # attention_mma: blocks per KV head (a cluster) for steps at positions >= long_from
+    long_from: int = 0     # 0: no long-context variant
+
+    def slices_at(self, long_context: bool) -> int:
+        return self.long_slices if long_context else self.slices
 
 
 def plan(n_heads: int, n_kv_heads: int, head_dim: int, max_context: int, n_sms: int, compute_capability: int,
@@ -80,7 +87,10 @@ def plan(n_heads: int, n_kv_heads: int, head_dim: int, max_context: int, n_sms: 
     where it fits (mma_fits): on an H200 it made TinyLlama q4's decode step 4.1% faster than
     attention_rows and Llama-2-7B q4's 4.0% faster than the chunked kernel (BENCHMARKS.md,
     thirteenth session). Else attention_rows (a block per query head) for groups of at least
-    ROWS_MIN_GROUP query heads per KV head, and the chunked kernel for the rest.
+    ROWS_MIN_GROUP query heads per KV head, and the chunked kernel for the rest. attention_mma also
+    gets a long-context variant where clusters exist: mma_long_slices blocks per KV head from the
+    position whose context one block would cover in three passes (long_from; the backend captures a
+    second step graph for those positions).
     kernel ("mma" / "rows" / "chunked") forces one; so does TINYINFER_ATTENTION (for measurements)."""
     kernel = kernel or os.environ.get("TINYINFER_ATTENTION") or None
     if kernel not in (None, "mma", "rows", "chunked"):
@@ -90,13 +100,41 @@ def plan(n_heads: int, n_kv_heads: int, head_dim: int, max_context: int, n_sms: 
         if not mma_fits(n_heads, n_kv_heads, head_dim):
             raise ValueError(f"attention_mma serves at most {MMA_MAX_GROUP} query heads per KV head of head_dim "
                              f"{' or '.join(map(str, MMA_HEAD_DIMS))}, not {group} of {head_dim}")
-        return AttentionPlan(f"attention_mma{head_dim}", False, 1, MMA_THREADS)
+        long_slices = mma_long_slices(n_kv_heads, n_sms, compute_capability)
+        long_from = 2 * mma_pass_rows(head_dim)
+        if long_slices == 1 or long_from >= max_context:
+            long_slices, long_from = 1, 0
+        return AttentionPlan(f"attention_mma{head_dim}", False, 1, MMA_THREADS, long_slices, long_from)
     if kernel == "rows" or (kernel is None and group >= ROWS_MIN_GROUP):
         slices, cluster, name = group, False, "attention_rows"
     else:
         cluster = uses_cluster(compute_capability)
         slices, name = n_slices(n_kv_heads, max_context, n_sms, cluster), "attention"
     return AttentionPlan(name, cluster, slices, threads_for(n_heads, n_kv_heads, head_dim, slices, n_sms))
+
+
+def mma_pass_rows(head_dim: int) -> int:
+    """Cached rows one attention_mma block holds per pass (attention.cu PASS_ROWS): 256 for head_dim
+    64, 128 for 128. Each pass after the first costs a dependent round trip after the PDL wait."""
+    return (MMA_THREADS // 32) * 16 * (128 // head_dim)
+
+
+def mma_long_slices(n_kv_heads: int, n_sms: int, compute_capability: int) -> int:
+    """attention_mma's blocks per KV head at long contexts (a thread-block cluster sharing the rows;
+    Hopper and newer): the most, up to CLUSTER_SIZE, whose grid leaves half the SMs to the kernels
+    launched early beside it (SMS_PER_SLICE).
+
+    H200, whole decode step, us per token (BENCHMARKS.md s23): TinyLlama f16 from position 1,984,
+    1 / 2 / 4 / 8 blocks: 925 / 835 / 774 / 743, but from 16: 679 / 705 / 704 / 708 (the cluster's
+    merge costs more than the passes it saves); Llama-2-7B q4 from 4,000, 1 / 2 / 4: 2,621 / 2,091
+    / 2,288, from 16: 1,330 / 1,381 / 1,534. Hence one block per KV head at short contexts and this
+    many from the third pass on (`plan`: long_from)."""
+    if compute_capability < CLUSTER_MIN_COMPUTE_CAPABILITY:
+        return 1
+    slices = 1
+    while slices < CLUSTER_SIZE and 2 * slices * n_kv_heads * SMS_PER_SLICE <= n_sms:
+        slices *= 2
+    return slices
 
 
 def mma_fits(n_heads: int, n_kv_heads: int, head_dim: int) -> bool:
@@ -136,7 +174,7 @@ def make_attention(mod, n_heads: int, n_kv_heads: int, head_dim: int, slices: in
     """One layer's attention. k_cache/v_cache: this layer's [max_context, n_kv, head_dim] fp16 views;
     part_o/part_ml/counters serve the chunked kernel's global merge (GPUs before Hopper).
     kernel "attention_rows" (see plan) takes a block per query head and none of the merge buffers;
-    "attention_mma64/128" a block per KV head and none of them."""
+    "attention_mma64/128" `slices` blocks per KV head (a cluster) and none of them."""
     check_shape(n_heads, n_kv_heads, head_dim, threads)
     head_args = (np.int32(n_heads), np.int32(n_kv_heads), np.int32(head_dim))
     if kernel.startswith("attention_mma"):
@@ -144,8 +182,8 @@ def make_attention(mod, n_heads: int, n_kv_heads: int, head_dim: int, slices: in
             raise ValueError(f"{kernel} does not serve {n_heads} query heads over {n_kv_heads} KV heads of {head_dim} "
                              "dims")
         args = (qkv, k_cache, v_cache, state, rope_cos, rope_sin, *head_args[:2], np.int32(k_cache.shape[0]), out)
-        return Launch("attention", mod.get_function(kernel), (n_kv_heads,), (MMA_THREADS,), args, 0,
-                      bytes_read=kv_bytes, waits=True)
+        return Launch("attention", mod.get_function(kernel), (n_kv_heads * slices,), (MMA_THREADS,), args, 0,
+                      bytes_read=kv_bytes, waits=True, cluster=slices)
     if kernel == "attention_rows":
         if slices != n_heads // n_kv_heads:
             raise ValueError(f"attention_rows runs a block per query head: {n_heads // n_kv_heads} per KV head, "

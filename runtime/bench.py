@@ -167,11 +167,13 @@ def timed_generation(backend, prompt, n_tokens: int) -> tuple[list[int], list[fl
 
 
 def graph_step_us(backend, prompt, n_steps: int) -> float:
-    """GPU time per decode step: back-to-back graph replays timed with events."""
+    """GPU time per decode step: back-to-back replays of the one-step graph of the prompt's end
+    (the long-context step after a long prompt) timed with events."""
     backend.forward(np.asarray(prompt), 0)
+    graph = backend.graph_at(len(prompt))
     with backend.stream:
         backend.set_state(len(prompt), int(prompt[-1]), 0)
-        return backend.replay_us(n_steps)
+        return backend.replay_us(n_steps, graph)
 
 
 def read_bandwidth_gbs(backend) -> float:
@@ -192,7 +194,8 @@ def read_bandwidth_gbs(backend) -> float:
 
 
 def kernel_table(backend, context: int, peak_gbs: float) -> list[dict]:
-    """Each kernel of the step timed alone: us per launch, launches per token, GB/s, % of peak."""
+    """Each kernel of the step at position context - 1 (the long-context step there, if any) timed
+    alone: us per launch, launches per token, GB/s, % of peak."""
     from tinyinfer.runtime.autotune import time_launches
     from tinyinfer.runtime.sampling import SamplingParams
 
@@ -200,8 +203,9 @@ def kernel_table(backend, context: int, peak_gbs: float) -> list[dict]:
     rows = []
     with backend.stream:
         backend.set_state(context - 1, 1, 0)
+        long_context = backend.is_long_context(context - 1)
         groups = {}
-        for launch in backend.step:
+        for launch in backend.build_step(backend.tuning, True) if long_context else backend.step:
             groups.setdefault(launch.name, []).append(launch)
         for name, launches in groups.items():
             if name.startswith("sample"):
@@ -218,7 +222,9 @@ def kernel_table(backend, context: int, peak_gbs: float) -> list[dict]:
                 gu, down = backend.shapes["w_gate_up"], backend.shapes["w_down"]
                 shape = f"{gu.rows}x{gu.cols} + {down.rows}x{down.cols} {gu.encoding}" + (f" g{gu.group}" if gu.group else "")
             elif name.startswith("attention"):
-                shape = f"{backend.n_heads}/{backend.n_kv} heads x {backend.head_dim}, ctx {context}"
+                slices = backend.attn_plan.slices_at(long_context)
+                shape = (f"{backend.n_heads}/{backend.n_kv} heads x {backend.head_dim}, ctx {context}"
+                         + (f", {slices} blocks per KV head" if slices > 1 else ""))
             gbs = bytes_read / us / 1e3 if bytes_read else 0.0
             rows.append({"kernel": name, "shape": shape, "per_token": len(launches), "us": round(us, 2),
                          "us_per_token": round(us * len(launches), 1), "bytes": bytes_read,

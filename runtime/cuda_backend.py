@@ -21,7 +21,9 @@ graph and replayed with no host work in between: the host launches several steps
 reads tokens back. Tokens the host feeds (prompts, forward()) are embedded by a separate launch.
 Generation replays STEPS_PER_GRAPH steps captured in one graph where it can: inside a graph, each
 step's first kernel overlaps the previous step's last one (programmatic dependent launch), which a
-graph boundary does not allow.
+graph boundary does not allow. Steps at long contexts replay a second version of the step, whose
+attention spreads each KV head's rows over a cluster of blocks (attention.plan: long_from); the host
+knows every step's position and picks the graph (graph_at).
 """
 
 from __future__ import annotations
@@ -343,13 +345,13 @@ class CudaBackend(Backend):
             self.view(self.layer_shape("w_gate_up", layer)), self.view(self.layer_shape("w_down", layer)), self.x,
             self.f32_view(f"layers.{layer}.ffn_norm"), float(self.config["norm_eps"]), self.pending))
 
-    def attention_launch(self, layer: int):
-        return self.cached_launch(("attention", layer), lambda: self.make_attention_launch(layer))
+    def attention_launch(self, layer: int, slices: int):
+        return self.cached_launch(("attention", layer, slices), lambda: self.make_attention_launch(layer, slices))
 
-    def make_attention_launch(self, layer: int):
+    def make_attention_launch(self, layer: int, slices: int):
         kv_row_bytes = self.n_kv * self.head_dim * 2
         return attn_k.make_attention(
-            self.attn_module, self.n_heads, self.n_kv, self.head_dim, self.attn_plan.slices, self.attn_plan.threads,
+            self.attn_module, self.n_heads, self.n_kv, self.head_dim, slices, self.attn_plan.threads,
             self.qkv,
             self.k_cache[layer], self.v_cache[layer], self.state, self.rope_cos, self.rope_sin,
             self.part_o, self.part_ml, self.counters, self.attn, kv_bytes=2 * kv_row_bytes, kernel=self.attn_plan.kernel)
@@ -368,16 +370,18 @@ class CudaBackend(Backend):
                                      padded_cols(info.encoding, self.dim, None), self.x, self.pending,
                                      self.head_best)
 
-    def build_step(self, tuning: dict) -> list:
+    def build_step(self, tuning: dict, long_context: bool = False) -> list:
         """One token: the layers, the output head and the sampler (which also embeds the token it
         picks, so x is ready for the next replay). Tokens fed by the host go through self.embed.
-        tuning: role -> GemvConfig, and "mlp" -> MlpConfig where the MLP is fused."""
+        tuning: role -> GemvConfig, and "mlp" -> MlpConfig where the MLP is fused. long_context: the
+        step for positions from attn_plan.long_from on."""
         self.embed = self.embed_launch()
         fused = tuning.get("mlp")
+        slices = self.attn_plan.slices_at(long_context)
         step = []
         for layer in range(self.n_layers):
             step.append(self.gemv_launch("wqkv", layer, tuning["wqkv"], pending=fused is not None))
-            step.append(self.attention_launch(layer))
+            step.append(self.attention_launch(layer, slices))
             step.append(self.gemv_launch("wo", layer, tuning["wo"], pending=fused is not None))
             if fused is not None:
                 step.append(self.mlp_launch(layer, fused))
@@ -394,7 +398,24 @@ class CudaBackend(Backend):
             self.tuning = tuning
             self.step = self.build_step(tuning)
             self.graph = self.capture(self.step)
-            self.steps_graph = None                    # STEPS_PER_GRAPH steps, captured when generating
+            self.graphs = {}                           # the other step graphs, captured on first use (graph_at)
+
+    def is_long_context(self, pos: int) -> bool:
+        """Whether the step at position pos is the long-context one (attention.plan: long_from)."""
+        return 0 < self.attn_plan.long_from <= pos
+
+    def graph_at(self, pos: int, steps: int = 1):
+        """The graph of `steps` decode steps from position pos: self.graph (the tuned step, alone),
+        or captured on first use: several steps in one graph, and the long-context step once the
+        last of them reaches attn_plan.long_from."""
+        long_context = self.is_long_context(pos + steps - 1)
+        if steps == 1 and not long_context:
+            return self.graph
+        key = (long_context, steps)
+        if key not in self.graphs:
+            step = self.build_step(self.tuning, long_context) if long_context else self.step
+            self.graphs[key] = self.capture(step * steps)
+        return self.graphs[key]
 
     def capture(self, launches):
         stream = self.stream
@@ -635,12 +656,13 @@ class CudaBackend(Backend):
             self.last_step_us = self.replay_us(max(1, min(replays, self.max_context - 2)))
         return self.last_step_us
 
-    def replay_us(self, n_steps: int) -> float:
-        """GPU microseconds per step of n_steps graph replays back to back from the current state,
-        timed with events on the stream."""
+    def replay_us(self, n_steps: int, graph=None) -> float:
+        """GPU microseconds per step of n_steps replays of a one-step graph (self.graph unless given)
+        back to back from the current state, timed with events on the stream."""
+        graph = graph or self.graph
         start = self.stream.record()
         for _ in range(n_steps):
-            self.graph.launch(self.stream)
+            graph.launch(self.stream)
         end = self.stream.record()
         end.synchronize()
         return self.cp.cuda.get_elapsed_time(start, end) * 1000.0 / n_steps
@@ -650,7 +672,9 @@ class CudaBackend(Backend):
                  f"{len(self.step)} kernels per token in one CUDA graph "
                  f"({'with' if self.pdl else 'without'} programmatic dependent launch), attention kernel "
                  f"{self.attn_plan.kernel}: {self.attn_plan.slices} blocks of {self.attn_plan.threads} threads per "
-                 f"KV head{' in thread-block clusters' if self.attn_plan.cluster else ''}",
+                 f"KV head{' in thread-block clusters' if self.attn_plan.cluster else ''}"
+                 + (f", from position {self.attn_plan.long_from} {self.attn_plan.long_slices} per KV head in "
+                    "thread-block clusters" if self.attn_plan.long_from else ""),
                  f"load {self.timings['load_s']:.2f} s (upload {self.timings['upload_s']:.2f} s, compile "
                  f"{self.timings['compile_s']:.2f} s, tune {self.timings['tune_s']:.2f} s [{self.tuning_source}], "
                  f"capture {self.timings['capture_s']:.2f} s)"]
@@ -709,13 +733,14 @@ class CudaBackend(Backend):
         """Queue one graph replay per token, teacher-forced, optionally copying each step's logits."""
         cp = self.cp
         ids = cp.asarray(np.asarray(token_ids, dtype=np.int32))
+        graphs = [self.graph_at(start_pos + i) for i in range(len(token_ids))]   # any capture before the queueing
         self.set_state(start_pos, int(token_ids[0]))
         self.set_sampling(GREEDY)
         for i in range(len(token_ids)):
             if i:
                 cp.cuda.runtime.memcpyAsync(self.state.data.ptr + 4, ids.data.ptr + 4 * i, 4, D2D, self.stream.ptr)
                 self.embed(self.stream)
-            self.graph.launch(self.stream)
+            graphs[i].launch(self.stream)
             if logits_out is not None:
                 cp.cuda.runtime.memcpyAsync(logits_out[i].data.ptr, self.logits.data.ptr, 4 * self.vocab, D2D,
                                             self.stream.ptr)
@@ -771,21 +796,24 @@ class CudaBackend(Backend):
                 self.upload(self.seen, seen)
                 self.upload(self.uniforms, uniforms)
                 self.set_sampling(params)
-                self.set_state(start_pos + prompt.size - 1, int(prompt[-1]), 0)
-                if self.steps_graph is None:
-                    self.steps_graph = self.capture(self.step * STEPS_PER_GRAPH)
+                first = start_pos + prompt.size - 1             # the position of the first step
+                launches, done = [], 0
+                for n in launch_sizes(max_new_tokens):          # any capture before the steps are queued
+                    launches.append((n, self.graph_at(first + done, n)))
+                    done += n
+                self.set_state(first, int(prompt[-1]), 0)
                 events = [None] * LOOKAHEAD         # the event after token i's step, at i % LOOKAHEAD
-                sizes = iter(launch_sizes(max_new_tokens))
-                n = next(sizes, 0)
+                sizes = iter(launches)
+                n, graph = next(sizes, (0, None))
                 launched = 0
                 while produced < max_new_tokens:
                     while n and launched + n - produced <= LOOKAHEAD:
-                        (self.steps_graph if n > 1 else self.graph).launch(self.stream)
+                        graph.launch(self.stream)
                         event = self.stream.record()
                         for i in range(launched, launched + n):
                             events[i % LOOKAHEAD] = event
                         launched += n
-                        n = next(sizes, 0)
+                        n, graph = next(sizes, (0, None))
                     events[produced % LOOKAHEAD].synchronize()
                     token = int(self.out_tokens[produced])
                     produced += 1
@@ -797,6 +825,6 @@ class CudaBackend(Backend):
     def close(self) -> None:
         if getattr(self, "stream", None) is not None:
             self.stream.synchronize()
-        for name in ("graph", "steps_graph", "weights", "k_cache", "v_cache", "step", "_prefill"):
+        for name in ("graph", "graphs", "weights", "k_cache", "v_cache", "step", "_prefill"):
             setattr(self, name, None)
         self.cp.get_default_memory_pool().free_all_blocks()

@@ -18,7 +18,7 @@ for spec in sys.argv[1:]:
             out = []
             for layer in range(b.n_layers):
                 out.append(b.gemv_launch("wqkv", layer, t["wqkv"], pending="wqkv" in readers))
-                out.append(b.attention_launch(layer))
+                out.append(b.attention_launch(layer, b.attn_plan.slices))
                 out.append(b.gemv_launch("wo", layer, t["wo"], pending="wo" in readers))
                 out.append(b.gemv_launch("w_gate_up", layer, t["w_gate_up"]))
                 out.append(b.gemv_launch("w_down", layer, t["w_down"]))

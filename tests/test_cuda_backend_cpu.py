@@ -193,10 +193,15 @@ def test_attention_plan_picks_the_kernel_by_shape(monkeypatch):
     monkeypatch.delenv("TINYINFER_ATTENTION", raising=False)
     plan = attn_k.plan
     # Groups of up to 8 query heads of 64 or 128 dims (TinyLlama, Llama-2-7B, Llama-3-70B): a block
-    # per KV head on the tensor cores, on any GPU.
-    assert plan(32, 4, 64, 2048, 132, 90) == attn_k.AttentionPlan("attention_mma64", False, 1, 256)
+    # per KV head on the tensor cores, on any GPU; with clusters (Hopper), from the position where
+    # one block would take three passes (2 x 256 rows for head_dim 64, 2 x 128 for 128), as many
+    # blocks per KV head as leave half the SMs free, at most 8.
+    assert plan(32, 4, 64, 2048, 132, 90) == attn_k.AttentionPlan("attention_mma64", False, 1, 256, 8, 512)
     assert plan(32, 4, 64, 2048, 132, 80) == attn_k.AttentionPlan("attention_mma64", False, 1, 256)
-    assert plan(32, 32, 128, 4096, 132, 90) == attn_k.AttentionPlan("attention_mma128", False, 1, 256)
+    assert plan(32, 32, 128, 4096, 132, 90) == attn_k.AttentionPlan("attention_mma128", False, 1, 256, 2, 256)
+    assert plan(32, 32, 128, 4096, 80, 90) == attn_k.AttentionPlan("attention_mma128", False, 1, 256)   # 64 > 80 / 2
+    assert plan(64, 8, 128, 8192, 132, 90) == attn_k.AttentionPlan("attention_mma128", False, 1, 256, 8, 256)
+    assert plan(32, 4, 64, 512, 132, 90) == attn_k.AttentionPlan("attention_mma64", False, 1, 256)      # too short
     assert plan(64, 8, 128, 4096, 132, 75).kernel == "attention_mma128"
     # Larger groups: a block per query head; other head sizes: the chunked kernel (clusters on Hopper).
     assert plan(64, 1, 128, 2048, 132, 90) == attn_k.AttentionPlan("attention_rows", False, 64, 256)
@@ -659,6 +664,29 @@ def test_the_fused_step_retries_the_gemvs_that_read_the_residual(monkeypatch):
     fake.tuning_times["wo"] = {C(2, 16): 4.7, C(1, 16): 4.8, C(2, 8, 2): 5.0, C(1, 8, 2): 5.1}
     assert CudaBackend.fused_reader_options(fake, "wo", C(2, 16, depth=2)) == [C(2, 8, 2, depth=1), C(2, 8, 2, depth=2)]
     assert CudaBackend.fused_reader_options(fake, "wo", C(2, 8, 2, depth=2)) == []           # already split
+
+
+def test_steps_take_the_long_context_graph_from_the_plan_s_position():
+    """CudaBackend.graph_at: the tuned one-step graph, else a graph captured once per (long context,
+    steps), long once the last step of the launch reaches attn_plan.long_from."""
+    from types import SimpleNamespace
+
+    from tinyinfer.runtime.cuda_backend import CudaBackend
+
+    built = []
+    fake = SimpleNamespace(attn_plan=attn_k.AttentionPlan("attention_mma64", False, 1, 256, 8, 512), graph="tuned",
+                           graphs={}, step=["short"], tuning={},
+                           build_step=lambda tuning, long: built.append(long) or ["long" if long else "short"],
+                           capture=lambda launches: tuple(launches))
+    fake.is_long_context = lambda pos: CudaBackend.is_long_context(fake, pos)
+    graph_at = lambda pos, steps=1: CudaBackend.graph_at(fake, pos, steps)
+    assert graph_at(0) == graph_at(511) == "tuned"
+    assert graph_at(512) == ("long",)
+    assert graph_at(4000) == ("long",) and built == [True]          # captured once
+    assert graph_at(100, 4) == graph_at(508, 4) == ("short",) * 4
+    assert graph_at(509, 4) == ("long",) * 4                         # its last step is at 512
+    fake.attn_plan = attn_k.AttentionPlan("attention_mma64", False, 1, 256)   # no long variant
+    assert graph_at(100000) == "tuned"
 
 
 def test_replay_timing_launches_the_graph_n_times_between_two_events():

@@ -17,6 +17,7 @@ import pytest
 
 from checkpoints import randomize_llama_weights
 from tinyinfer.formats import open_tinf
+from tinyinfer.kernels import attention as attn_k
 from tinyinfer.runtime import load
 from tinyinfer.runtime.bench import synthetic_tokenizer, tinf_config, write_random_model
 from tinyinfer.runtime.numpy_backend import NumpyBackend
@@ -84,6 +85,37 @@ def test_decode_with_split_k_gemvs_matches_the_numpy_reference(shared_assets, tm
     reference = NumpyBackend(open_tinf(path), max_context=16).forward(ids, 0)
     errors = relative_errors(gpu, reference)
     assert errors.max() <= MAX_ERROR and np.array_equal(gpu.argmax(-1), reference.argmax(-1))
+
+
+@pytest.mark.parametrize("shape,quant", [("tinyllama", "f16"), ("llama-2-7b", "q4")])
+def test_decode_across_the_long_context_switch_matches_the_numpy_reference(shared_assets, tmp_path, cupy_gpu, shape,
+                                                                          quant):
+    """Positions on both sides of attn_plan.long_from, where the engine moves to the step graph whose
+    attention spreads each KV head's rows over a cluster of blocks (before it, up to two passes of
+    one block; after it, contexts one block would cover in three)."""
+    path = tmp_path / "m.tinf"
+    config = real_config(shared_assets, shape)
+    config["max_context"] = 1024
+    write_random_model(path, config, quant, 64, seed=5)
+    with load(path, device="cuda") as model:
+        plan = model.backend.attn_plan
+        if plan.long_from == 0:
+            pytest.skip("no long-context attention on this GPU (thread-block clusters need compute capability 9.0)")
+        n = plan.long_from + attn_k.mma_pass_rows(config["head_dim"]) + 5
+        ids = np.random.default_rng(3).integers(0, 32000, n)
+        gpu = model.backend.decode_forward(ids, 0)
+    reference = NumpyBackend(open_tinf(path), max_context=n).forward(ids, 0)
+    errors = relative_errors(gpu, reference)
+    print(f"{shape} {quant}, {n} positions ({plan.long_slices} blocks per KV head from {plan.long_from}): "
+          f"max relative error {errors[:plan.long_from].max():.2e} before, {errors[plan.long_from:].max():.2e} from it")
+    assert errors.max() <= MAX_ERROR
+    # The same greedy token wherever the reference's top two logits are not a near-tie (random
+    # weights over hundreds of positions give a few ties closer than 3e-3 of the logits' RMS).
+    top2 = np.sort(reference, axis=-1)[:, -2:]
+    near_tie = top2[:, 1] - top2[:, 0] <= 3e-3 * np.sqrt(np.mean(reference ** 2, axis=-1))
+    mismatch = gpu.argmax(-1) != reference.argmax(-1)
+    print(f"  argmax differs at {mismatch.sum()} positions, near-ties at {near_tie.sum()}")
+    assert not np.any(mismatch & ~near_tie)
 
 
 @pytest.fixture(scope="module")

@@ -270,11 +270,12 @@ def test_attention_matches_reference(cupy_gpu, cc, name, cluster, threads, kerne
     """Every kernel on every shape it serves (attention_rows on every shape, though the backend
     picks it for large groups only); for the chunked one both slice merges (in a thread-block
     cluster on Hopper and newer, in global memory); both block sizes, whichever the backend would
-    pick for the shape."""
+    pick for the shape. attention_mma with one block per KV head, and (cluster-merge) with 2, 3 and 8
+    blocks sharing its context in a cluster."""
     cp = cupy_gpu
     if cluster and cc < attn_k.CLUSTER_MIN_COMPUTE_CAPABILITY:
         pytest.skip("thread-block clusters need compute capability 9.0")
-    if cluster and kernel != "attention":
+    if cluster and kernel == "attention_rows":
         pytest.skip(f"{kernel} merges nothing")
     n_heads, n_kv, hd = ATTENTION_SHAPES[name]
     if kernel == "attention_mma":
@@ -292,8 +293,19 @@ def test_attention_matches_reference(cupy_gpu, cc, name, cluster, threads, kerne
     cos, sin = ref.rope_tables(hd, max_ctx, 10000.0, scaling)
     mod = attn_k.compile_attention(cc, cluster)
     sms = cp.cuda.runtime.getDeviceProperties(0)["multiProcessorCount"]
-    slices = {"attention_rows": n_heads // n_kv, "attention": attn_k.n_slices(n_kv, max_ctx, sms, cluster)}.get(kernel, 1)
-    rng = np.random.default_rng(len(name) + 2 * cluster + threads + len(kernel))
+    if kernel.startswith("attention_mma"):
+        for slices in (2, 3, 8) if cluster else (1,):
+            check_attention(cp, mod, name, kernel, slices, threads, max_ctx, cos, sin, seed=len(name) + 10 * slices)
+        return
+    slices = {"attention_rows": n_heads // n_kv, "attention": attn_k.n_slices(n_kv, max_ctx, sms, cluster)}[kernel]
+    check_attention(cp, mod, name, kernel, slices, threads, max_ctx, cos, sin, seed=len(name) + 2 * cluster + threads)
+
+
+def check_attention(cp, mod, name, kernel, slices, threads, max_ctx, cos, sin, seed):
+    """One attention launch against the reference at positions with a context of one row, of one
+    or more blocks of rows, and of several passes."""
+    n_heads, n_kv, hd = ATTENTION_SHAPES[name]
+    rng = np.random.default_rng(seed + len(kernel))
     for pos in [0, 1, 31, 32, 33, 200, 1099]:
         cache_k = rng.standard_normal((max_ctx, n_kv, hd)).astype(np.float16)
         cache_v = rng.standard_normal((max_ctx, n_kv, hd)).astype(np.float16)
@@ -315,7 +327,7 @@ def test_attention_matches_reference(cupy_gpu, cc, name, cluster, threads, kerne
             got = out.get()
             assert np.isfinite(got).all(), f"pos {pos}: unwritten outputs"
             error = relative_error(got, expected)
-            assert error <= MAX_ERROR, f"{name} {threads} threads pos {pos} (run {repeat}): {error:.2e}"
+            assert error <= MAX_ERROR, f"{name} {threads} threads {slices} slices pos {pos} (run {repeat}): {error:.2e}"
             assert not counters.get().any()
         # k is rotated in fp32 (the GPU may fuse a multiply-add) then stored as fp16: within one fp16 ulp.
         np.testing.assert_allclose(k_dev[pos].get().astype(np.float32), k_row, rtol=1e-3, atol=1e-7)
