@@ -673,8 +673,8 @@ class CudaBackend(Backend):
                  f"({'with' if self.pdl else 'without'} programmatic dependent launch), attention kernel "
                  f"{self.attn_plan.kernel}: {self.attn_plan.slices} blocks of {self.attn_plan.threads} threads per "
                  f"KV head{' in thread-block clusters' if self.attn_plan.cluster else ''}"
-                 + (f", from position {self.attn_plan.long_from} {self.attn_plan.long_slices} per KV head in "
-                    "thread-block clusters" if self.attn_plan.long_from else ""),
+                 + (f"; from position {self.attn_plan.long_from}: {self.attn_plan.long_slices} blocks per KV head "
+                    "in a thread-block cluster" if self.attn_plan.long_from else ""),
                  f"load {self.timings['load_s']:.2f} s (upload {self.timings['upload_s']:.2f} s, compile "
                  f"{self.timings['compile_s']:.2f} s, tune {self.timings['tune_s']:.2f} s [{self.tuning_source}], "
                  f"capture {self.timings['capture_s']:.2f} s)"]
