@@ -729,8 +729,7 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS, 2) attention_rows(
 // row blocks go to different blocks and a shorter context still spreads over them. A pass then
 // covers S * PASS_ROWS rows, all loaded before the PDL wait: each later pass costs a dependent round
 // trip, which is what made long contexts slow (s13: Llama-2-7B q4 +46% per token at position
-// 2,048). The blocks merge their states as the chunked kernel's slices do (merge_cluster), unless
-// one block holds every row.
+// 2,048). Block 0 merges the blocks' states (at the end of the kernel), unless it holds every row.
 //
 // Fragments (lane (g, t) of a warp, g = lane / 4, t = lane % 4):
 // - A (16 rows) holds each head twice: row h the fp16 value of its rotated, scaled q, row h + 8 the
@@ -789,8 +788,7 @@ TI_DEVICE void attention_mma_body(const float* __restrict__ qkv, __half* __restr
     __shared__ float warp_o[MMA_WARPS][MMA_MAX_GROUP][HD];   // each warp's unnormalised output
     __shared__ float warp_ml[MMA_WARPS][MMA_MAX_GROUP][2];   // and its (max, sum) per head
     TI_PROBE;
-    __shared__ float blk_o[MMA_MAX_GROUP * HD];               // context split: the block's merged state
-    __shared__ float blk_ml[MMA_MAX_GROUP * 2];
+    extern __shared__ __align__(16) float gathered[];          // context split, block 0: the blocks' states
     const int S = gridDim.x / n_kv, kvh = blockIdx.x / S, slice = blockIdx.x % S, group = n_heads / n_kv;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
@@ -838,6 +836,7 @@ TI_DEVICE void attention_mma_body(const float* __restrict__ qkv, __half* __restr
     // without the split; else all S meet in the merge (every block of a cluster calls its barriers).
     const int active = min(S, (len + WARP_ROWS - 1) / WARP_ROWS);
     if (active == 1 && slice > 0) return;
+    if (active > 1) cluster_arrive_relaxed();                 // pairs with the wait before the merge's stores
     if (last_loaded != (int)0x80000000) pdl_wait();
     TI_MARK(1);
 
@@ -986,6 +985,12 @@ TI_DEVICE void attention_mma_body(const float* __restrict__ qkv, __half* __restr
         }
     }
     __syncthreads();
+    // Split: every block's state (sum, max and denominator per head) goes into block 0's shared
+    // memory, `gathered` [S][group * hd] then [S][group][2], where block 0 alone waits for it and
+    // merges. (A merge where each block read its peers' states took two cluster barriers, the second
+    // to keep the states alive until read: 1.4-1.8 us per layer, BENCHMARKS.md s23.)
+    float* gathered_ml = gathered + S * group * HD;
+    if (active > 1) cluster_wait();                           // every block of the cluster runs
     for (int idx = threadIdx.x; idx < group * HD; idx += blockDim.x) {
         const int h = idx / HD, d = idx % HD;
         float top = -TI_INF;
@@ -1001,18 +1006,30 @@ TI_DEVICE void attention_mma_body(const float* __restrict__ qkv, __half* __restr
         }
         if (active == 1) {
             out[(size_t)(kvh * group + h) * HD + d] = num / den;
-        } else {                             // (a block without rows leaves top -inf and zeros)
-            blk_o[idx] = num;
+        } else if (slice < active) {         // (blocks past `active` hold no rows)
+            *peer_shared(gathered + slice * group * HD + idx, 0) = num;
             if (d == 0) {
-                blk_ml[2 * h] = top;
-                blk_ml[2 * h + 1] = den;
+                *peer_shared(gathered_ml + (slice * group + h) * 2, 0) = top;
+                *peer_shared(gathered_ml + (slice * group + h) * 2 + 1, 0) = den;
             }
         }
     }
     if (active == 1) return;                 // the same for every block of the cluster
-    cluster_sync();                          // every block's state is in its shared memory
-    merge_cluster(blk_o, blk_ml, kvh, group, HD, slice, S, active, out);
-    cluster_sync();                          // peers keep their shared memory until everyone has read it
+    cluster_arrive();                        // (release) this block's stores into block 0
+    if (slice > 0) return;
+    cluster_wait();                          // (acquire) every block's state has landed
+    for (int idx = threadIdx.x; idx < group * HD; idx += blockDim.x) {
+        const int h = idx / HD;
+        float top = -TI_INF;
+        for (int j = 0; j < active; ++j) top = fmaxf(top, gathered_ml[(j * group + h) * 2]);
+        float num = 0.f, den = 0.f;
+        for (int j = 0; j < active; ++j) {   // every active block has rows: its max is finite
+            const float f = exp2f(gathered_ml[(j * group + h) * 2] - top);
+            num += gathered[j * group * HD + idx] * f;
+            den += gathered_ml[(j * group + h) * 2 + 1] * f;
+        }
+        out[(size_t)kvh * group * HD + idx] = num / den;
+    }
 }
 
 #define TI_ATTENTION_MMA(HD)                                                                                  \

@@ -124,17 +124,25 @@ def mma_long_slices(n_kv_heads: int, n_sms: int, compute_capability: int) -> int
     Hopper and newer): the most, up to CLUSTER_SIZE, whose grid leaves half the SMs to the kernels
     launched early beside it (SMS_PER_SLICE).
 
-    H200, whole decode step, us per token (BENCHMARKS.md s23): TinyLlama f16 from position 1,984,
-    1 / 2 / 4 / 8 blocks: 925 / 835 / 774 / 743, but from 16: 679 / 705 / 704 / 708 (the cluster's
-    merge costs more than the passes it saves); Llama-2-7B q4 from 4,000, 1 / 2 / 4: 2,621 / 2,091
-    / 2,288, from 16: 1,330 / 1,381 / 1,534. Hence one block per KV head at short contexts and this
-    many from the third pass on (`plan`: long_from)."""
+    H200, whole decode step, us per token (BENCHMARKS.md s23, the split's first merge): TinyLlama
+    f16 from position 1,984, 1 / 2 / 4 / 8 blocks: 925 / 835 / 774 / 743, but from 16: 679 / 705 /
+    704 / 708 (the cluster's merge costs more than the passes it saves); Llama-2-7B q4 from 4,000,
+    1 / 2 / 4: 2,621 / 2,091 / 2,288, from 16: 1,330 / 1,381 / 1,534. With the merge as it is now
+    (block 0 gathers), 8 blocks still lose on TinyLlama f16 from 16 (714 against 681) and 2 gain on
+    7B only from 144 on. Hence one block per KV head at short contexts and this many from the third
+    pass on (`plan`: long_from)."""
     if compute_capability < CLUSTER_MIN_COMPUTE_CAPABILITY:
         return 1
     slices = 1
     while slices < CLUSTER_SIZE and 2 * slices * n_kv_heads * SMS_PER_SLICE <= n_sms:
         slices *= 2
     return slices
+
+
+def mma_shared_bytes(n_heads: int, n_kv_heads: int, head_dim: int, slices: int) -> int:
+    """attention_mma's dynamic shared memory: with a split, block 0 gathers every block's state
+    (attention.cu `gathered`: per block and head, head_dim sums, a max and a denominator)."""
+    return 0 if slices == 1 else 4 * slices * (n_heads // n_kv_heads) * (head_dim + 2)
 
 
 def mma_fits(n_heads: int, n_kv_heads: int, head_dim: int) -> bool:
@@ -182,8 +190,9 @@ def make_attention(mod, n_heads: int, n_kv_heads: int, head_dim: int, slices: in
             raise ValueError(f"{kernel} does not serve {n_heads} query heads over {n_kv_heads} KV heads of {head_dim} "
                              "dims")
         args = (qkv, k_cache, v_cache, state, rope_cos, rope_sin, *head_args[:2], np.int32(k_cache.shape[0]), out)
-        return Launch("attention", mod.get_function(kernel), (n_kv_heads * slices,), (MMA_THREADS,), args, 0,
-                      bytes_read=kv_bytes, waits=True, cluster=slices)
+        return Launch("attention", mod.get_function(kernel), (n_kv_heads * slices,), (MMA_THREADS,), args,
+                      mma_shared_bytes(n_heads, n_kv_heads, head_dim, slices), bytes_read=kv_bytes, waits=True,
+                      cluster=slices)
     if kernel == "attention_rows":
         if slices != n_heads // n_kv_heads:
             raise ValueError(f"attention_rows runs a block per query head: {n_heads // n_kv_heads} per KV head, "

@@ -106,9 +106,10 @@ def device_compute_capability() -> int:
 
 
 def allow_shared_memory(kernel, shared_bytes: int) -> None:
-    """Raise a kernel's dynamic shared-memory limit to shared_bytes where that is above the default
-    48 KiB; never lowers it (one kernel may serve launches of several sizes)."""
-    if shared_bytes > 48 * 1024 and kernel.max_dynamic_shared_size_bytes < shared_bytes:
+    """Raise a kernel's dynamic shared-memory limit to shared_bytes where that and its static shared
+    memory are above the default 48 KiB a block; never lowers it (one kernel may serve launches of
+    several sizes)."""
+    if shared_bytes + kernel.shared_size_bytes > 48 * 1024 and kernel.max_dynamic_shared_size_bytes < shared_bytes:
         kernel.max_dynamic_shared_size_bytes = shared_bytes
 
 

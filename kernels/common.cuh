@@ -136,14 +136,23 @@ TI_DEVICE void cluster_sync() {           // arrive (release) and wait (acquire)
 #endif
 }
 
-// The two halves of a barrier, for a phase that completes long before anyone waits on it.
+// The two halves of a barrier: arrive (release: this thread's stores, shared memory of other
+// blocks included, are seen by whoever waits for the phase), and wait (acquire). A block may exit
+// after arriving; the barrier's phase still completes.
+TI_DEVICE void cluster_arrive() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");
+#endif
+}
+
+// Arrive without ordering, for a phase that completes long before anyone waits on it.
 TI_DEVICE void cluster_arrive_relaxed() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");
 #endif
 }
 
-TI_DEVICE void cluster_wait() {
+TI_DEVICE void cluster_wait() {             // (acquire: barrier.cluster.wait's only semantics)
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory");
 #endif
