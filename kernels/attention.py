@@ -88,9 +88,8 @@ def plan(n_heads: int, n_kv_heads: int, head_dim: int, max_context: int, n_sms: 
     attention_rows and Llama-2-7B q4's 4.0% faster than the chunked kernel (BENCHMARKS.md,
     thirteenth session). Else attention_rows (a block per query head) for groups of at least
     ROWS_MIN_GROUP query heads per KV head, and the chunked kernel for the rest. attention_mma also
-    gets a long-context variant where clusters exist: mma_long_slices blocks per KV head from the
-    position whose context one block would cover in three passes (long_from; the backend captures a
-    second step graph for those positions).
+    gets a long-context variant where clusters exist: mma_long_slices blocks per KV head from
+    mma_long_from (the backend captures a second step graph for those positions).
     kernel ("mma" / "rows" / "chunked") forces one; so does TINYINFER_ATTENTION (for measurements)."""
     kernel = kernel or os.environ.get("TINYINFER_ATTENTION") or None
     if kernel not in (None, "mma", "rows", "chunked"):
@@ -101,7 +100,7 @@ def plan(n_heads: int, n_kv_heads: int, head_dim: int, max_context: int, n_sms: 
             raise ValueError(f"attention_mma serves at most {MMA_MAX_GROUP} query heads per KV head of head_dim "
                              f"{' or '.join(map(str, MMA_HEAD_DIMS))}, not {group} of {head_dim}")
         long_slices = mma_long_slices(n_kv_heads, n_sms, compute_capability)
-        long_from = 2 * mma_pass_rows(head_dim)
+        long_from = mma_long_from(head_dim, long_slices)
         if long_slices == 1 or long_from >= max_context:
             long_slices, long_from = 1, 0
         return AttentionPlan(f"attention_mma{head_dim}", False, 1, MMA_THREADS, long_slices, long_from)
@@ -111,6 +110,15 @@ def plan(n_heads: int, n_kv_heads: int, head_dim: int, max_context: int, n_sms: 
         cluster = uses_cluster(compute_capability)
         slices, name = n_slices(n_kv_heads, max_context, n_sms, cluster), "attention"
     return AttentionPlan(name, cluster, slices, threads_for(n_heads, n_kv_heads, head_dim, slices, n_sms))
+
+
+def mma_long_from(head_dim: int, long_slices: int) -> int:
+    """The first position of the long-context step: where one block would need a second pass when
+    the split's merge is one peer's state (2 blocks), else a third (the merge of more costs more).
+    H200, BENCHMARKS.md: Llama-2-7B q4 (2 blocks) from 144, 1,393.7 us per token with one block
+    against 1,367.8 with two (s23 run 6); its benchmark at 128 against 256: 734.3 -> 740.7 tok/s
+    (s24 run 1). TinyLlama f16 (8 blocks) from 16 still lost with the split (681 against 714)."""
+    return mma_pass_rows(head_dim) * (1 if long_slices <= 2 else 2)
 
 
 def mma_pass_rows(head_dim: int) -> int:
@@ -129,8 +137,8 @@ def mma_long_slices(n_kv_heads: int, n_sms: int, compute_capability: int) -> int
     704 / 708 (the cluster's merge costs more than the passes it saves); Llama-2-7B q4 from 4,000,
     1 / 2 / 4: 2,621 / 2,091 / 2,288, from 16: 1,330 / 1,381 / 1,534. With the merge as it is now
     (block 0 gathers), 8 blocks still lose on TinyLlama f16 from 16 (714 against 681) and 2 gain on
-    7B only from 144 on. Hence one block per KV head at short contexts and this many from the third
-    pass on (`plan`: long_from)."""
+    7B only from 144 on. Hence one block per KV head at short contexts and this many from
+    mma_long_from on."""
     if compute_capability < CLUSTER_MIN_COMPUTE_CAPABILITY:
         return 1
     slices = 1

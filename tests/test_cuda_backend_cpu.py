@@ -193,12 +193,12 @@ def test_attention_plan_picks_the_kernel_by_shape(monkeypatch):
     monkeypatch.delenv("TINYINFER_ATTENTION", raising=False)
     plan = attn_k.plan
     # Groups of up to 8 query heads of 64 or 128 dims (TinyLlama, Llama-2-7B, Llama-3-70B): a block
-    # per KV head on the tensor cores, on any GPU; with clusters (Hopper), from the position where
-    # one block would take three passes (2 x 256 rows for head_dim 64, 2 x 128 for 128), as many
-    # blocks per KV head as leave half the SMs free, at most 8.
+    # per KV head on the tensor cores, on any GPU; with clusters (Hopper), as many blocks per KV
+    # head as leave half the SMs free, at most 8, from the position where one block would take a
+    # second pass (2 blocks: 128 rows for head_dim 128) or a third (more: 2 x 256 for 64, 2 x 128).
     assert plan(32, 4, 64, 2048, 132, 90) == attn_k.AttentionPlan("attention_mma64", False, 1, 256, 8, 512)
     assert plan(32, 4, 64, 2048, 132, 80) == attn_k.AttentionPlan("attention_mma64", False, 1, 256)
-    assert plan(32, 32, 128, 4096, 132, 90) == attn_k.AttentionPlan("attention_mma128", False, 1, 256, 2, 256)
+    assert plan(32, 32, 128, 4096, 132, 90) == attn_k.AttentionPlan("attention_mma128", False, 1, 256, 2, 128)
     assert plan(32, 32, 128, 4096, 80, 90) == attn_k.AttentionPlan("attention_mma128", False, 1, 256)   # 64 > 80 / 2
     assert plan(64, 8, 128, 8192, 132, 90) == attn_k.AttentionPlan("attention_mma128", False, 1, 256, 8, 256)
     assert plan(32, 4, 64, 512, 132, 90) == attn_k.AttentionPlan("attention_mma64", False, 1, 256)      # too short
