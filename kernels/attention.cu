@@ -786,7 +786,7 @@ TI_DEVICE void attention_mma_body(const float* __restrict__ qkv, __half* __restr
     constexpr int PASS_ROWS = MMA_WARPS * WARP_ROWS;
     constexpr int TILES = HD / 8;            // output tiles of p . V, tile 4 i + w
     // (Aligned for its float2 stores: declared 4-byte aligned, it was 8-byte aligned only by being
-    // placed first; a kernel that declared a smaller shared variable first faulted, s24.)
+    // placed first; in an experimental kernel a one-byte shared flag went first and they faulted, s24.)
     __shared__ __align__(16) float warp_o[MMA_WARPS][MMA_MAX_GROUP][HD];   // each warp's unnormalised output
     __shared__ float warp_ml[MMA_WARPS][MMA_MAX_GROUP][2];   // and its (max, sum) per head
     TI_PROBE;
