@@ -57,6 +57,7 @@
 #define OUT_STORE_ARGMAX 4  // y[row] = W x, and *best = max(*best, argmax_key(y[row], row)) (the output head)
 
 #define NL 2           // 16-byte loads per lane per row per chunk
+#define MAX_WARPS 16   // warps of a wide block (gemv.py WIDE_WARPS); RMSNorm's sums of squares take one float each
 #define LO_SCALE 2048.f   // x's low halves are staged times this (common.cuh split_half2)
 
 // k values covered by one 16-byte load of a row.
@@ -353,7 +354,7 @@ __device__ __forceinline__ void stage_input(__half* xs, __half* xs_lo, float* co
 // Bytes reserved in front of the staged vector for the cross-warp reduction (double-buffered), in a
 // split-K cluster the peer block's sums (double-buffered), and RMSNorm's per-warp sums of squares.
 __device__ __forceinline__ int gemv_scratch_bytes(int nwarps, int rt, int split) {
-    const int floats = (2 * nwarps * 16 * rt > 32 ? 2 * nwarps * 16 * rt : 32) + (split > 1 ? 2 * 16 * rt : 0) + 16;
+    const int floats = (2 * nwarps * 16 * rt > 32 ? 2 * nwarps * 16 * rt : 32) + (split > 1 ? 2 * 16 * rt : 0) + MAX_WARPS;
     return (floats * 4 + 15) & ~15;
 }
 

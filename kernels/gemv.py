@@ -179,7 +179,7 @@ def shared_bytes(shape: GemvShape, config: GemvConfig) -> int:
     scratch = max(2 * config.warps * 16 * config.row_tiles, 32) * 4
     if config.split > 1:
         scratch += 2 * 16 * config.row_tiles * 4          # the peer block's sums (gemv_scratch_bytes)
-    scratch += 16 * 4                                     # RMSNorm's per-warp sums of squares
+    scratch += WIDE_WARPS * 4                             # RMSNorm's per-warp sums of squares (gemv.cu MAX_WARPS)
     scratch = (scratch + 15) // 16 * 16
     chunk = CHUNK_K[shape.encoding]
     sections = -(-shape.cols_pad // chunk) * chunk // (chunk // 8)      # KPL = chunk / 8 columns each
