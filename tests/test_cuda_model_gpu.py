@@ -91,8 +91,8 @@ def test_decode_with_split_k_gemvs_matches_the_numpy_reference(shared_assets, tm
 def test_decode_across_the_long_context_switch_matches_the_numpy_reference(shared_assets, tmp_path, cupy_gpu, shape,
                                                                           quant):
     """Positions on both sides of attn_plan.long_from, where the engine moves to the step graph whose
-    attention spreads each KV head's rows over a cluster of blocks (before it, up to two passes of
-    one block; after it, contexts one block would cover in three)."""
+    attention spreads each KV head's rows over a cluster of blocks (before it, one block per KV
+    head; after it, the cluster, through one more pass of one block's rows)."""
     path = tmp_path / "m.tinf"
     config = real_config(shared_assets, shape)
     config["max_context"] = 1024
