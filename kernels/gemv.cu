@@ -161,6 +161,8 @@ __device__ __forceinline__ void prefetch_norm_weight(float* area, const float* _
 // Its scale and the bias 8 sum(x) (as int bits) are the float2 at xs_lo[s].
 #define Q4_SECTION_BYTES 64
 #define Q4_RANGE 32512.f       // 127 * 256: the hi limb (x + 128) >> 8 stays within a signed byte
+#define Q4_ROUNDER 12582912.f  // 1.5 * 2^23: v + Q4_ROUNDER rounds v to an integer (stage_group_q4)
+#define Q4_BIAS 0x4B400000u     // the bits of Q4_ROUNDER
 
 __device__ __forceinline__ float2* q4_sections(__half* xs_lo) { return reinterpret_cast<float2*>(xs_lo); }
 __device__ __forceinline__ const float2* q4_sections(const __half* xs_lo) { return reinterpret_cast<const float2*>(xs_lo); }
@@ -177,6 +179,13 @@ __device__ __forceinline__ float group_value(const float* __restrict__ x, const 
 
 // Group b of a q4 input to shared memory (the layout above). The four lanes of a section agree on
 // its scale (the largest |x| / Q4_RANGE) and sum its integers by shuffles.
+//
+// This runs on every q4 GEMV's critical path (after the PDL wait), so its integer part avoids slow
+// instructions: each value is rounded to an integer by adding Q4_ROUNDER, whose float sum holds
+// round-to-nearest-even(v) in its low mantissa bits (exact for |v| < 2^22; here |v| <= 32512), on
+// the FMA pipe instead of the conversion unit (F2I), and the limbs come out of those bits with byte
+// permutes instead of a shift, mask and or per value. H200, one process and tuning, us per token
+// (BENCHMARKS.md s25): Llama-2-7B q4 1,338.3 -> 1,336.4, TinyLlama q4 384.0 -> 382.3.
 template <int IN>
 __device__ __forceinline__ void stage_group_q4(__half* xs, __half* xs_lo, const float* __restrict__ x,
                                                const long long* __restrict__ pending, const float* __restrict__ aux,
@@ -190,15 +199,23 @@ __device__ __forceinline__ void stage_group_q4(__half* xs, __half* xs_lo, const 
 #pragma unroll
     for (int o = 1; o < 4; o <<= 1) largest = fmaxf(largest, __shfl_xor_sync(0xffffffffu, largest, o));
     const float to_int = largest > 0.f ? Q4_RANGE / largest : 0.f;
-    int sum = 0;
-    u32 hi[2] = {0u, 0u}, lo[2] = {0u, 0u};      // [even columns, odd columns], 4 bytes each
+    // Each value times to_int, rounded to an integer q (|q| <= 32512) by adding Q4_ROUNDER, leaves
+    // the float's bits at Q4_BIAS + q. Q4_BIAS has no bits in the low 16, so the low byte of those
+    // bits is the lo limb's (q - 256 h), and byte 1 of them plus 128 is the hi limb h = (q + 128) >> 8.
+    u32 biased[8], total = 0u;
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
-        const int q = __float2int_rn(v[i] * to_int);
-        const int h = (q + 128) >> 8, l = q - (h << 8);
-        sum += q;
-        hi[i & 1] |= (u32)(h & 0xff) << (8 * (i >> 1));
-        lo[i & 1] |= (u32)(l & 0xff) << (8 * (i >> 1));
+        biased[i] = __float_as_uint(__fmul_rn(v[i], to_int) + Q4_ROUNDER);
+        total += biased[i];
+    }
+    int sum = (int)(total - 8u * Q4_BIAS);
+    u32 hi[2], lo[2];      // [even columns, odd columns]: byte k holds column 2k (+ 1)
+#pragma unroll
+    for (int p = 0; p < 2; ++p) {
+        lo[p] = __byte_perm(__byte_perm(biased[p], biased[p + 2], 0x0040),
+                            __byte_perm(biased[p + 4], biased[p + 6], 0x0040), 0x5410);
+        hi[p] = __byte_perm(__byte_perm(biased[p] + 128u, biased[p + 2] + 128u, 0x0051),
+                            __byte_perm(biased[p + 4] + 128u, biased[p + 6] + 128u, 0x0051), 0x5410);
     }
 #pragma unroll
     for (int o = 1; o < 4; o <<= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
