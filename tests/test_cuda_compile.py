@@ -99,9 +99,13 @@ def test_kernel_compiles_with_nvcc(kernel_dir, name, arch):
     assert "spill stores" in result.stderr                      # ptxas reported on every kernel
     if arch != "sm_90":
         return                                                   # (sm_75 spills 8 bytes in one GEMV variant)
+    function = ""
     for line in result.stderr.splitlines():                      # on Hopper nothing spills to local memory
+        if "Function properties for" in line:
+            function = line.split("for", 1)[1].strip()           # (mangled: the template arguments are in it)
         if "spill stores" in line:
-            assert line.strip().startswith("0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads"), line
+            assert line.strip().startswith("0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads"), \
+                f"{function}: {line.strip()}"
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc is not installed")
