@@ -162,7 +162,6 @@ __device__ __forceinline__ void prefetch_norm_weight(float* area, const float* _
 #define Q4_SECTION_BYTES 64
 #define Q4_RANGE 32512.f       // 127 * 256: the hi limb (x + 128) >> 8 stays within a signed byte
 #define Q4_ROUNDER 12582912.f  // 1.5 * 2^23: v + Q4_ROUNDER rounds v to an integer (stage_group_q4)
-#define Q4_BIAS 0x4B400000u     // the bits of Q4_ROUNDER
 
 __device__ __forceinline__ float2* q4_sections(__half* xs_lo) { return reinterpret_cast<float2*>(xs_lo); }
 __device__ __forceinline__ const float2* q4_sections(const __half* xs_lo) { return reinterpret_cast<const float2*>(xs_lo); }
@@ -200,15 +199,16 @@ __device__ __forceinline__ void stage_group_q4(__half* xs, __half* xs_lo, const 
     for (int o = 1; o < 4; o <<= 1) largest = fmaxf(largest, __shfl_xor_sync(0xffffffffu, largest, o));
     const float to_int = largest > 0.f ? Q4_RANGE / largest : 0.f;
     // Each value times to_int, rounded to an integer q (|q| <= 32512) by adding Q4_ROUNDER, leaves
-    // the float's bits at Q4_BIAS + q. Q4_BIAS has no bits in the low 16, so the low byte of those
-    // bits is the lo limb's (q - 256 h), and byte 1 of them plus 128 is the hi limb h = (q + 128) >> 8.
+    // the float's bits at bias + q, bias the bits of Q4_ROUNDER (0x4B400000). These have none in the low
+    // 16, so the low byte of those bits is the lo limb's (q - 256 h), and byte 1 of them plus 128 is the
+    // hi limb h = (q + 128) >> 8.
     u32 biased[8], total = 0u;
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
         biased[i] = __float_as_uint(__fmul_rn(v[i], to_int) + Q4_ROUNDER);
         total += biased[i];
     }
-    int sum = (int)(total - 8u * Q4_BIAS);
+    int sum = (int)(total - 8u * __float_as_uint(Q4_ROUNDER));
     u32 hi[2], lo[2];      // [even columns, odd columns]: byte k holds column 2k (+ 1)
 #pragma unroll
     for (int p = 0; p < 2; ++p) {
