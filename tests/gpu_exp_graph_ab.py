@@ -1,10 +1,13 @@
-"""Experiment on a GPU, run by hand (`python3 tests/gpu_exp_graph_ab.py A.cu B.cu SHAPE[:QUANT] ...`; not
-part of the test suite): two versions of gemv.cu compared inside the whole decode step. For each
+"""Experiment on a GPU, run by hand (`python3 tests/gpu_exp_graph_ab.py A B [C ...] SHAPE[:QUANT] ...`; not
+part of the test suite): versions of the kernel sources compared inside the whole decode step. A
+version is a gemv.cu file, or a folder holding any of the package's kernel sources (gemv.cu, mlp.cu,
+common.cuh, ...), which replace the package's own; the rest come from the package. For each
 random-weight model (tuned with the package's sources), each version builds every kernel of the
 step that includes gemv.cu: the tuned GEMVs, the variants that read the fused step's fixed-point
-residual, and the fused MLP (mlp.cu includes gemv.cu). The two steps are then timed alternately,
-ROUNDS times each; prints each side's range and median us per token. Alternating in one process
-keeps both sides on the same machine, clocks and tuned configurations."""
+residual, and the fused MLP (mlp.cu includes gemv.cu). The steps are then timed in turn, ROUNDS
+times each (the order reversed every other round); prints each version's range and median us per
+token, and its change from the first. Alternating in one process keeps every version on the same
+machine, clocks and tuned configurations."""
 import sys
 from pathlib import Path
 
@@ -17,41 +20,43 @@ ROUNDS = 4
 PACKAGE_SOURCE = build.source_text
 
 
-def use_gemv_source(path: str | None) -> None:
-    """Kernels compiled from here on include the gemv.cu at `path` (None: the package's)."""
-    text = Path(path).read_text() if path else None
-    build.source_text = (lambda name: text if name == "gemv.cu" else PACKAGE_SOURCE(name)) if text else PACKAGE_SOURCE
+def use_sources(version: str | None) -> None:
+    """Kernels compiled from here on use the sources of `version` (None: the package's)."""
+    path = Path(version) if version else None
+    files = {"gemv.cu": path} if path and path.is_file() else {f.name: f for f in path.iterdir()} if path else {}
+    build.source_text = lambda name: files[name].read_text() if name in files else PACKAGE_SOURCE(name)
     build.module.cache_clear()
 
 
-def step_with(b, path: str) -> list:
-    """The tuned step's launches, with every gemv.cu-based kernel built from `path`."""
-    use_gemv_source(path)
+def step_with(b, version: str) -> list:
+    """The tuned step's launches, with every gemv.cu-based kernel built from `version`'s sources."""
+    use_sources(version)
     try:
         tuned = [(b.shapes[role], config) for role, config in b.tuning.items() if role in b.shapes]
         b.gemv_module = gemv_k.compile_gemvs(tuned, b.compute_capability)
         return b.build_step(b.tuning)
     finally:
-        use_gemv_source(None)
+        use_sources(None)
 
 
-def compare(a_path: str, b_path: str, shape: str, quant: str) -> None:
+def compare(paths: list, shape: str, quant: str) -> None:
     with random_backend(shape, quant) as (b, prompt):
         package_module = b.gemv_module
-        steps = {"A": step_with(b, a_path), "B": step_with(b, b_path)}
+        steps = {path: step_with(b, path) for path in paths}
         b.gemv_module = package_module
-        times = {"A": [], "B": []}
+        times = {path: [] for path in paths}
         for round_ in range(ROUNDS):
-            for side in ("A", "B") if round_ % 2 == 0 else ("B", "A"):
-                times[side].append(time_step(b, prompt, steps[side]))
-        median = {side: sorted(t)[len(t) // 2] for side, t in times.items()}
-        for side, t in times.items():
-            print(f"  {side} {min(t):.1f}-{max(t):.1f} us, median {median[side]:.1f} ({1e6 / median[side]:.0f} tok/s)",
-                  flush=True)
-        print(f"  B - A {median['B'] - median['A']:+.1f} us ({(median['B'] / median['A'] - 1) * 100:+.2f}%)", flush=True)
+            for path in paths if round_ % 2 == 0 else paths[::-1]:
+                times[path].append(time_step(b, prompt, steps[path]))
+        median = {path: sorted(t)[len(t) // 2] for path, t in times.items()}
+        base = median[paths[0]]
+        for path, t in times.items():
+            print(f"  {Path(path).name}: {min(t):.1f}-{max(t):.1f} us, median {median[path]:.1f} "
+                  f"({1e6 / median[path]:.0f} tok/s, {(median[path] / base - 1) * 100:+.2f}%)", flush=True)
 
 
 if __name__ == "__main__":
-    a_path, b_path = sys.argv[1:3]
-    for spec in sys.argv[3:] or ["tinyllama", "llama2-7b"]:
-        compare(a_path, b_path, *(spec.split(":") + ["q4"])[:2])
+    paths = [a for a in sys.argv[1:] if Path(a).exists()]
+    specs = [a for a in sys.argv[1:] if not Path(a).exists()]
+    for spec in specs or ["tinyllama", "llama2-7b"]:
+        compare(paths, *(spec.split(":") + ["q4"])[:2])
