@@ -19,14 +19,15 @@
 // group's scale in fp32.
 //
 // Arithmetic (q4): integer tensor cores. The nibbles n = q + 8 stay as they are, masked into bytes
-// (low nibbles with one LOP3 per 4 weights, high ones with a shift and a LOP3), and x is staged per
-// section of 32 columns as 16-bit integers x = s * (256 hi + lo) in two signed byte limbs with one
-// fp32 scale s (stage_group_q4). One mma.m16n8k32 (u8 x s8, int32 accumulation, exact) then
-// covers 32 columns of 16 rows where the fp16 path's covers 16, with fewer conversion instructions
-// per weight; B columns 2t / 2t+1 carry the hi / lo limbs of section t, as above. The section's sum
-// is put together in integers, less the bias 8 sum(x), and scaled once in fp32 (add_piece_q4). x's
-// rounding to 16 bits of its section's largest |x| (half of 2^-15 of it) is the only approximation:
-// ~1e-5 of a result, unless one value of a section is hundreds of times its neighbours.
+// (low nibbles n, high ones 16 n in place: one LOP3 per 4 weights each, see tile_sums_q4), and x is
+// staged per section of 32 columns as 16-bit integers x = s * (256 hi + lo) in two signed byte
+// limbs with one fp32 scale s (stage_group_q4). One mma.m16n8k32 (u8 x s8, int32 accumulation,
+// exact) then covers 32 columns of 16 rows where the fp16 path's covers 16, with fewer conversion
+// instructions per weight; B columns 2t / 2t+1 carry the hi / lo limbs of section t, as above. The
+// section's sum is put together in integers (16 times it), less the bias 16 * 8 sum(x), and scaled
+// once in fp32 (add_piece_q4). x's rounding to 16 bits of its section's largest |x| (half of 2^-15
+// of it) is the only approximation: ~1e-5 of a result, unless one value of a section is hundreds of
+// times its neighbours.
 
 // Fusions. RMSNorm (x * rsqrt(mean(x^2)+eps) * w): the input stage stages x * w and the sums of
 // squares, and the epilogue multiplies each output by the factor (see stage_input). The epilogue
@@ -157,8 +158,9 @@ __device__ __forceinline__ void prefetch_norm_weight(float* area, const float* _
 // q4's staged input (gemv's xs and xs_lo, as the fp16 path lays them out, reused): section s (32
 // columns) is 64 bytes at xs + 64 s, the hi limbs then the lo limbs, each in the order of
 // mma.m16n8k32's B fragments: per 16 columns (m = 0, 1), the even columns of both 8-groups, then
-// their odd columns (the order in which the nibble masks produce A bytes, see piece_products_q4).
-// Its scale and the bias 8 sum(x) (as int bits) are the float2 at xs_lo[s].
+// their odd columns (the order in which the nibble masks produce A bytes, see tile_sums_q4).
+// Its scale / 16 and the bias 16 * 8 sum(x) (as int bits) are the float2 at xs_lo[s]: the products
+// come out 16 times sum(q x) (tile_sums_q4). |16 * 8 sum(x)| <= 128 * 32 * 32512 < 2^31.
 #define Q4_SECTION_BYTES 64
 #define Q4_RANGE 32512.f       // 127 * 256: the hi limb (x + 128) >> 8 stays within a signed byte
 #define Q4_ROUNDER 12582912.f  // 1.5 * 2^23: v + Q4_ROUNDER rounds v to an integer (stage_group_q4)
@@ -228,7 +230,7 @@ __device__ __forceinline__ void stage_group_q4(__half* xs, __half* xs_lo, const 
         *reinterpret_cast<u32*>(at + 8 * p) = hi[p];
         *reinterpret_cast<u32*>(at + 32 + 8 * p) = lo[p];
     }
-    if (in_section == 0) q4_sections(xs_lo)[section] = make_float2(largest / Q4_RANGE, __int_as_float(8 * sum));
+    if (in_section == 0) q4_sections(xs_lo)[section] = make_float2(largest / (16.f * Q4_RANGE), __int_as_float(128 * sum));
 }
 
 // Group b (columns 8b .. 8b+7) to shared memory: `value` holds the staged values when b < full,
@@ -443,9 +445,34 @@ __device__ __forceinline__ float section_sum(float d_hi, float d_lo, float c) {
     return fmaf(d_lo, 1.f / LO_SCALE, d_hi) - c;
 }
 
-// q4: the products of piece j with the staged section at xp (two uint4: m = 0, 1), as integers
-// (mma.m16n8k32, see the arithmetic above): the even columns' nibbles (low) and the odd columns'
-// (high, shifted down) against the matching limbs, into one accumulator per row tile.
+// q4: one row tile's products over a section of piece j (rows g and g + 8: r0 and r8) with the staged
+// limbs at xp (two uint4, m = 0, 1: {even columns of 8-groups 2m, 2m+1; their odd columns}), as
+// integers (mma.m16n8k32, see the arithmetic above): 16 sum(q x_int) of each row (h = 0: row g,
+// 1: g + 8), less the staged bias 16 * 8 sum(x_int); |sum| <= 16 * 15 * 32 * 32640 < 2^28. The even
+// columns' nibbles n are masked down to bytes (low nibbles) and multiplied into d; the odd columns'
+// are masked where they are (high nibbles: bytes of 16 n, one LOP3 per 4 weights instead of a shift
+// and a LOP3) and multiplied into a second accumulator e, which then holds 16 times their products.
+// The two accumulators are also two shorter mma chains. H200, one process and tuning, us per token
+// (BENCHMARKS.md s26): Llama-2-7B q4 1,340.3 -> 1,316.8, TinyLlama q4 383.7 -> 377.5 (with the old
+// products, piece_products_q4, in every kernel before).
+__device__ __forceinline__ void tile_sums_q4(const uint4& r0, const uint4& r8, const uint4* xp, int bias, int (&sum)[2]) {
+    int d[4] = {0, 0, 0, 0}, e[4] = {0, 0, 0, 0};
+    constexpr u32 LOW = 0x0F0F0F0Fu, HIGH = 0xF0F0F0F0u;
+#pragma unroll
+    for (int m = 0; m < 2; ++m) {
+        const uint4 xv = xp[m];
+        const u32 g0 = m ? r0.z : r0.x, g1 = m ? r0.w : r0.y, h0 = m ? r8.z : r8.x, h1 = m ? r8.w : r8.y;
+        mma_16832_u8s8(d, g0 & LOW, h0 & LOW, g1 & LOW, h1 & LOW, xv.x, xv.y);
+        mma_16832_u8s8(e, g0 & HIGH, h0 & HIGH, g1 & HIGH, h1 & HIGH, xv.z, xv.w);
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h)      // D columns 2t, 2t + 1: the hi and lo limbs
+        sum[h] = (((d[2 * h] << 8) + d[2 * h + 1]) << 4) + (e[2 * h] << 8) + e[2 * h + 1] - bias;
+}
+
+// q4, the register-tightest kernels (no room for tile_sums_q4's second accumulator: nvcc spills): the
+// products of piece j of every row tile, the high nibbles shifted down, into one accumulator per
+// tile: d[rt] = sum(n x_int) of the limb columns (D[g][2t], D[g][2t+1], D[g+8][2t], D[g+8][2t+1]).
 template <int RT>
 __device__ __forceinline__ void piece_products_q4(const uint4 (&slot)[RT][2][NL], int j, const uint4* xp,
                                                   int (&d)[RT][4]) {
@@ -456,7 +483,7 @@ __device__ __forceinline__ void piece_products_q4(const uint4 (&slot)[RT][2][NL]
     constexpr u32 NIBBLES = 0x0F0F0F0Fu;
 #pragma unroll
     for (int m = 0; m < 2; ++m) {
-        const uint4 xv = xp[m];      // {even columns of 8-groups 2m, 2m+1; their odd columns}
+        const uint4 xv = xp[m];
 #pragma unroll
         for (int rt = 0; rt < RT; ++rt) {
             const uint4 r0 = slot[rt][0][j], r8 = slot[rt][1][j];   // rows g, g + 8: 8-groups 0..3
@@ -468,34 +495,43 @@ __device__ __forceinline__ void piece_products_q4(const uint4 (&slot)[RT][2][NL]
     }
 }
 
-// q4: a row's sum(q x_int) over the section from its limb columns (i: 0 for row g, 2 for g + 8),
-// less the bias 8 sum(x_int).
-__device__ __forceinline__ int q4_section_sum(const int (&d)[4], int i, int bias) {
-    return (d[i] << 8) + d[i + 1] - bias;
-}
-
 // q4: adds piece j of a ring slot (weights and their raw fp16 scales) to acc: acc[rt][h] += row's
 // product over the lane's section `section` of the staged input, times its scale. mine: the
 // staged input plus 32 bytes for odd g (the lo limbs; see stage_group_q4); lo: its section data.
 // `feeds`: the lane feeds B (g / 2 == t), the others read the zeros at x_zeros (the same bytes for
 // all: a broadcast, no branch). `inside`: false for a section past the row's end, a reload counted
-// as zero. (f16 and q8 do the same inline in gemv and mlp: their machine code stays as it was.)
-template <int RT>
+// as zero. TWO_ACC: tile_sums_q4, else piece_products_q4. (f16 and q8 do the same inline in gemv and
+// mlp: their machine code stays as it was.)
+template <int RT, bool TWO_ACC>
 __device__ __forceinline__ void add_piece_q4(const uint4 (&slot)[RT][2][NL], const unsigned short (&sc)[RT][2][NL], int j,
                                              const __half* mine, const __half* lo, const uint4* x_zeros, bool feeds,
                                              int section, bool inside, float (&acc)[RT][2]) {
     const uint4* xp = feeds ? reinterpret_cast<const uint4*>(mine + Q4_SECTION_BYTES / 2 * section) : x_zeros;
+    const float2 data = q4_sections(lo)[section];
+    const float x_scale = inside ? data.x : 0.f;     // (the section's scale / 16)
+    const int bias = __float_as_int(data.y);         // 16 * 8 sum(x_int)
+    if (TWO_ACC) {
+#pragma unroll
+        for (int rt = 0; rt < RT; ++rt) {
+            int sum[2];
+            tile_sums_q4(slot[rt][0][j], slot[rt][1][j], xp, bias, sum);
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const float w_scale = __half2float(__ushort_as_half(sc[rt][h][j]));
+                acc[rt][h] = fmaf((float)sum[h], w_scale * x_scale, acc[rt][h]);
+            }
+        }
+        return;
+    }
     int d[RT][4];
     piece_products_q4<RT>(slot, j, xp, d);
-    const float2 data = q4_sections(lo)[section];
-    const float x_scale = inside ? data.x : 0.f;
-    const int bias = __float_as_int(data.y);
 #pragma unroll
     for (int rt = 0; rt < RT; ++rt)
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             const float w_scale = __half2float(__ushort_as_half(sc[rt][h][j]));
-            acc[rt][h] = fmaf((float)q4_section_sum(d[rt], 2 * h, bias), w_scale * x_scale, acc[rt][h]);
+            const int sum = (d[rt][2 * h] << 8) + d[rt][2 * h + 1] - (bias >> 4);
+            acc[rt][h] = fmaf((float)sum, w_scale * (16.f * x_scale), acc[rt][h]);
         }
 }
 
@@ -682,7 +718,9 @@ __global__ void __launch_bounds__(WIDE ? 512 : 256, WIDE ? 1 : 2) gemv(
         for (int j = 0; j < NL; ++j) {
             if (WT == W_Q4) {
                 const int section = kb / KPL + 4 * j + t;
-                add_piece_q4<RT>(wv[b], sc[b], j, x_mine, xs_lo, x_zeros, feeds_b, section, section * KPL < kpad, acc);
+                // (R = 1 at depth 4 has no room for a second accumulator: nvcc spills, sm_90)
+                add_piece_q4<RT, !(RT == 1 && DEPTH == 4)>(wv[b], sc[b], j, x_mine, xs_lo, x_zeros, feeds_b, section,
+                                                           section * KPL < kpad, acc);
             } else {
                 float d[RT][4];
                 // Lanes that feed no B column read zeros (the same bytes for all: a broadcast, no branch).

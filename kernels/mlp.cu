@@ -145,7 +145,10 @@ __global__ void __launch_bounds__(WIDE ? 512 : 256, WIDE ? 1 : 2) mlp(
 #pragma unroll
         for (int j = 0; j < NL; ++j) {
             if (WT == W_Q4) {
-                add_piece_q4<RT>(wv[b], sc[b], j, mine, lo, x_zeros, (g >> 1) == t, kb / KPL + 4 * j + t, true, acc);
+                // (the deepest rings, R = 1 at depth 4 and R = 2 at 2, have no room for a second
+                // accumulator: nvcc spills, sm_90)
+                add_piece_q4<RT, RT * DEPTH < 4>(wv[b], sc[b], j, mine, lo, x_zeros, (g >> 1) == t, kb / KPL + 4 * j + t,
+                                                 true, acc);
                 continue;
             }
             float d[RT][4];
