@@ -453,8 +453,8 @@ __device__ __forceinline__ float section_sum(float d_hi, float d_lo, float c) {
 // are masked where they are (high nibbles: bytes of 16 n, one LOP3 per 4 weights instead of a shift
 // and a LOP3) and multiplied into a second accumulator e, which then holds 16 times their products.
 // The two accumulators are also two shorter mma chains. H200, one process and tuning, us per token
-// (BENCHMARKS.md s26): Llama-2-7B q4 1,340.3 -> 1,316.8, TinyLlama q4 383.7 -> 377.5 (with the old
-// products, piece_products_q4, in every kernel before).
+// (BENCHMARKS.md s26): Llama-2-7B q4 1,335.5 -> 1,315.1, TinyLlama q4 384.4 -> 377.6 (against
+// piece_products_q4 in every kernel).
 __device__ __forceinline__ void tile_sums_q4(const uint4& r0, const uint4& r8, const uint4* xp, int bias, int (&sum)[2]) {
     int d[4] = {0, 0, 0, 0}, e[4] = {0, 0, 0, 0};
     constexpr u32 LOW = 0x0F0F0F0Fu, HIGH = 0xF0F0F0F0u;
