@@ -22,8 +22,10 @@ PACKAGE_SOURCE = build.source_text
 
 def use_sources(version: str | None) -> None:
     """Kernels compiled from here on use the sources of `version` (None: the package's)."""
-    path = Path(version) if version else None
-    files = {"gemv.cu": path} if path and path.is_file() else {f.name: f for f in path.iterdir()} if path else {}
+    files = {}
+    if version:
+        path = Path(version)
+        files = {f.name: f for f in path.iterdir()} if path.is_dir() else {"gemv.cu": path}
     build.source_text = lambda name: files[name].read_text() if name in files else PACKAGE_SOURCE(name)
     build.module.cache_clear()
 
