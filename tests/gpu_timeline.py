@@ -13,6 +13,10 @@ block did not reach counts in the next one), named by the later mark, e.g. GEMV:
 m7 partial sums reduced, m9 end (kernels/*.cu, TI_MARK); and
   tail     the last block's end minus the median block's end
   total    the last block's end minus prev: this kernel's share of the step
+A second table splits each kernel's blocks by when they started: at least EARLY_US before the previous
+kernel's last block ended (their weights in flight long before the release), or later (they started
+when that kernel's blocks left their SM); per part the share of blocks and the median release, x
+landed (m2) and staged (m3), in us.
 With $OUT set, the raw records are saved there (timeline-SHAPE-QUANT[-twice-ROLE].npz) for offline
 analysis.
 
@@ -39,6 +43,7 @@ WORDS = 2 + 2 * MARKS
 T0, C0 = 2, 2 + MARKS                # columns of the first global time and the first clock
 STEPS = 3                # 7B: ~36K records a step
 WARMUP = 128             # steps replayed after the 16-token prompt before recording
+EARLY_US = 1.0           # by_start: blocks that started this long before the previous kernel ended
 
 
 def probe_arrays(module):
@@ -138,6 +143,32 @@ def measures(group: np.ndarray, prev_end: float, clock: float) -> dict:
     return {k: v / 1000.0 if k != "blocks" else v for k, v in row.items()}
 
 
+def by_start(names: list[str], groups: list, clock: float) -> None:
+    """Per kernel role, its blocks in two parts by start (EARLY_US): share, median release, m2 and m3."""
+    parts = {}
+    for i in range(1, len(groups)):
+        prev_end = float(groups[i - 1][:, T0 + MARKS - 1].max())
+        t = groups[i][:, T0:T0 + MARKS].astype(np.float64)
+        c = groups[i][:, C0:C0 + MARKS].astype(np.float64)
+        reached = (c[:, 1] > 0) & (c[:, 2] > 0) & (c[:, 3] > 0)
+        early = (t[:, 0] - prev_end) / 1000.0 <= -EARLY_US
+        rows = np.stack([early, (t[:, 1] - prev_end) / 1000.0, (c[:, 2] - c[:, 1]) / clock / 1000.0,
+                         (c[:, 3] - c[:, 2]) / clock / 1000.0], axis=1)[reached]
+        parts.setdefault(names[i % len(names)], []).append(rows)
+    print(f"  by start (at least {EARLY_US:.0f} us before the previous kernel ended, or later): "
+          "share of blocks, release, x landed (m2), staged (m3)", flush=True)
+    for role, chunks in parts.items():
+        rows = np.concatenate(chunks)
+        if not len(rows):
+            continue
+        cells = []
+        for label, mask in (("early", rows[:, 0] == 1), ("late", rows[:, 0] == 0)):
+            if mask.any():
+                med = np.median(rows[mask, 1:], axis=0)
+                cells.append(f"{label} {mask.mean() * 100:3.0f}%: {med[0]:.2f} {med[1]:.2f} {med[2]:.2f}")
+        print(f"  {role:<16}" + "   ".join(cells), flush=True)
+
+
 def report(names: list[str], records: np.ndarray, step_us: float) -> None:
     groups = launches(records)
     if len(groups) != STEPS * len(names):
@@ -163,6 +194,7 @@ def report(names: list[str], records: np.ndarray, step_us: float) -> None:
               "".join(f"{med[c]:>8.2f}" if not np.isnan(med[c]) else f"{'-':>8}" for c in columns) +
               f"{role_sum:>8.1f}", flush=True)
     print(f"  sum of totals per step {step_sum:.1f} us (the first launch of the first step is left out)", flush=True)
+    by_start(names, groups, clock)
 
 
 def launched_twice(step: list, role: str) -> list:
