@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from bench_random import SHAPES  # noqa: E402
 from tinyinfer.kernels import attention as attn_k  # noqa: E402
 from tinyinfer.kernels import gemv as gemv_k  # noqa: E402
+from tinyinfer.kernels import build  # noqa: E402
 from tinyinfer.kernels.build import Launch, compile_options, expanded_source  # noqa: E402
 from tinyinfer.runtime import load  # noqa: E402
 from tinyinfer.runtime.bench import bench_prompt, graph_step_us, tinf_config, write_random_model  # noqa: E402
@@ -152,30 +153,50 @@ def source_variants(b, prompt, tuning) -> None:
 
 GEMV_VARIANTS = [   # (label, [(old, new, count), ...]) edits of gemv.cu (results wrong, time only)
     ("gemv returns after pdl_wait", [("        pdl_wait();\n", "        pdl_wait();\n        return;\n", 2)]),
-    ("gemv returns after staging x", [("    __syncthreads();\n\n    int it = 0;",
-                                       "    __syncthreads();\n    return;\n\n    int it = 0;", 1)]),
-    ("gemv stages zeros (no x reads)", [("load8(x + 8 * b, v[i]);", "for (int e = 0; e < 8; ++e) v[i][e] = 0.f;", 1),
-                                        ("load8_activation(x + 8 * b, v[i]);", "for (int e = 0; e < 8; ++e) v[i][e] = 0.f;", 1),
-                                        ("load8(x + 8 * b, a);", "for (int e = 0; e < 8; ++e) a[e] = 0.f;", 1),
-                                        ("if (second) load8(x + 8 * (b + threads), c);",
-                                         "for (int e = 0; e < 8; ++e) c[e] = 0.f;", 1)]),
+    ("gemv returns after staging x", [("    __syncthreads();\n    TI_MARK(3);",
+                                       "    __syncthreads();\n    return;\n    TI_MARK(3);", 1)]),
+    ("gemv stages zeros (no x reads)", [("load8_input<IN>(x, pending, 8 * b, v[i]);",
+                                         "for (int e = 0; e < 8; ++e) v[i][e] = 0.f;", 1),
+                                        ("load8_input<IN>(x, pending, 8 * b, v[i], true);",
+                                         "for (int e = 0; e < 8; ++e) v[i][e] = 0.f;", 1)]),
 ]
+PACKAGE_SOURCE = build.source_text
 
 
-def gemv_module(b, src: str):
-    """A gemv.cu source compiled with every instantiation the backend's step can use."""
-    items = [(shape, c) for shape in b.shapes.values() for c in gemv_k.all_configs(shape, b.compute_capability)]
-    expressions = sorted({gemv_k.name_expression(shape, c) for shape, c in items})
-    return cp.RawModule(code=src, options=compile_options(b.compute_capability), name_expressions=expressions)
+def use_sources(version: str | None) -> None:
+    """Kernels compiled from here on use the sources of `version` (None: the package's): a gemv.cu
+    file, or a folder holding any of the package's kernel sources, which replace the package's own."""
+    files = {}
+    if version:
+        path = Path(version)
+        files = {f.name: f for f in path.iterdir()} if path.is_dir() else {"gemv.cu": path}
+    build.source_text = lambda name: files[name].read_text() if name in files else PACKAGE_SOURCE(name)
+    build.module.cache_clear()
 
 
-def edited_gemv(b, edits):
-    """The package's gemv.cu with (old, new, count) edits, compiled for the backend."""
-    src = expanded_source("gemv.cu")
+def step_with(b, version: str) -> list:
+    """The tuned step's launches, with every gemv.cu-based kernel (the tuned GEMVs, the variants that
+    read the fused step's fixed-point residual, the fused MLP) built from `version`'s sources. Leaves
+    b.gemv_module holding the version's GEMVs."""
+    use_sources(version)
+    try:
+        tuned = [(b.shapes[role], config) for role, config in b.tuning.items() if role in b.shapes]
+        b.gemv_module = gemv_k.compile_gemvs(tuned, b.compute_capability)
+        return b.build_step(b.tuning)
+    finally:
+        use_sources(None)
+
+
+def edited_step(b, edits) -> list:
+    """The tuned step with the package's gemv.cu edited by (old, new, count) edits (step_with)."""
+    src = PACKAGE_SOURCE("gemv.cu")
     for old, new, count in edits:
         assert src.count(old) == count, f"gemv.cu changed: update the variant ({old[:40]}...)"
         src = src.replace(old, new)
-    return gemv_module(b, src)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "gemv.cu"
+        path.write_text(src)
+        return step_with(b, str(path))
 
 
 def gemv_variants(b, prompt, tuning) -> None:
@@ -183,8 +204,7 @@ def gemv_variants(b, prompt, tuning) -> None:
     whole = time_step(b, prompt, b.build_step(tuning))
     print(f"  base step {whole:.1f} us", flush=True)
     for label, edits in GEMV_VARIANTS:
-        b.gemv_module = edited_gemv(b, edits)
-        print(f"  {label}: {time_step(b, prompt, b.build_step(tuning)) - whole:+.1f} us", flush=True)
+        print(f"  {label}: {time_step(b, prompt, edited_step(b, edits)) - whole:+.1f} us", flush=True)
     b.gemv_module = base
 
 
@@ -212,9 +232,8 @@ def trigger_variants(b, prompt, tuning) -> None:
     whole = time_step(b, prompt, b.build_step(tuning))
     print(f"  base step {whole:.1f} us", flush=True)
     for label, gemv_edits, attention_edits in TRIGGER_VARIANTS:
-        b.gemv_module = edited_gemv(b, gemv_edits)
         b.attn_module = edited_attention(b, attention_edits, b.attn_plan.cluster)
-        print(f"  {label}: {time_step(b, prompt, b.build_step(tuning)) - whole:+.1f} us", flush=True)
+        print(f"  {label}: {time_step(b, prompt, edited_step(b, gemv_edits)) - whole:+.1f} us", flush=True)
     b.gemv_module, b.attn_module = base_gemv, base_attn
 
 

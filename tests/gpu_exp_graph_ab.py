@@ -12,33 +12,9 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_exp_chain import random_backend, time_step  # noqa: E402
-from tinyinfer.kernels import build  # noqa: E402
-from tinyinfer.kernels import gemv as gemv_k  # noqa: E402
+from gpu_exp_chain import random_backend, step_with, time_step  # noqa: E402
 
 ROUNDS = 4
-PACKAGE_SOURCE = build.source_text
-
-
-def use_sources(version: str | None) -> None:
-    """Kernels compiled from here on use the sources of `version` (None: the package's)."""
-    files = {}
-    if version:
-        path = Path(version)
-        files = {f.name: f for f in path.iterdir()} if path.is_dir() else {"gemv.cu": path}
-    build.source_text = lambda name: files[name].read_text() if name in files else PACKAGE_SOURCE(name)
-    build.module.cache_clear()
-
-
-def step_with(b, version: str) -> list:
-    """The tuned step's launches, with every gemv.cu-based kernel built from `version`'s sources."""
-    use_sources(version)
-    try:
-        tuned = [(b.shapes[role], config) for role, config in b.tuning.items() if role in b.shapes]
-        b.gemv_module = gemv_k.compile_gemvs(tuned, b.compute_capability)
-        return b.build_step(b.tuning)
-    finally:
-        use_sources(None)
 
 
 def compare(paths: list, shape: str, quant: str) -> None:
