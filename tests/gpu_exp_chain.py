@@ -72,6 +72,17 @@ def time_step(backend, prompt, launches) -> float:
     return graph_step_us(backend, prompt, STEPS)
 
 
+def timed_in_turn(backend, prompt, steps: dict, rounds: int) -> dict:
+    """key -> the times of steps[key] (a step's launches), each timed `rounds` times in turn, the order
+    reversed every other round, so drifts of the machine hit every step alike."""
+    times = {key: [] for key in steps}
+    keys = list(steps)
+    for round_ in range(rounds):
+        for key in keys if round_ % 2 == 0 else keys[::-1]:
+            times[key].append(time_step(backend, prompt, steps[key]))
+    return times
+
+
 def null_chain_us(backend, prompt, n_kernels, blocks, threads) -> float:
     kernel = cp.RawModule(code=NULL_SRC, options=("-arch=sm_90a",)).get_function("null_step")
     out = cp.zeros(blocks, cp.float32)

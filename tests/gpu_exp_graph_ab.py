@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_exp_chain import random_backend, step_with, time_step  # noqa: E402
+from gpu_exp_chain import random_backend, step_with, timed_in_turn  # noqa: E402
 
 ROUNDS = 4
 
@@ -22,10 +22,7 @@ def compare(paths: list, shape: str, quant: str) -> None:
         package_module = b.gemv_module
         steps = {path: step_with(b, path) for path in paths}
         b.gemv_module = package_module
-        times = {path: [] for path in paths}
-        for round_ in range(ROUNDS):
-            for path in paths if round_ % 2 == 0 else paths[::-1]:
-                times[path].append(time_step(b, prompt, steps[path]))
+        times = timed_in_turn(b, prompt, steps, ROUNDS)
         median = {path: sorted(t)[len(t) // 2] for path, t in times.items()}
         base = median[paths[0]]
         for path, t in times.items():

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_exp_chain import random_backend, time_step  # noqa: E402
+from gpu_exp_chain import random_backend, timed_in_turn  # noqa: E402
 from tinyinfer.kernels import build  # noqa: E402
 from tinyinfer.kernels import gemv as gemv_k  # noqa: E402
 from tinyinfer.kernels import mlp as mlp_k  # noqa: E402
@@ -27,14 +27,9 @@ def label(tuning: dict, tuned: dict) -> str:
 
 def alternated(b, prompt, tunings: list, tuned: dict) -> dict:
     """Median us per step of each tuning (label -> us), timed in alternated rounds; printed."""
-    steps = {label(t, tuned): b.build_step(t) for t in tunings}
-    times = {key: [] for key in steps}
-    keys = list(steps)
-    for round_ in range(ROUNDS):
-        for key in keys if round_ % 2 == 0 else keys[::-1]:
-            times[key].append(time_step(b, prompt, steps[key]))
+    times = timed_in_turn(b, prompt, {label(t, tuned): b.build_step(t) for t in tunings}, ROUNDS)
     median = {key: sorted(t)[len(t) // 2] for key, t in times.items()}
-    for key in keys:
+    for key in times:
         print(f"    {key}: {min(times[key]):.1f}-{max(times[key]):.1f}, median {median[key]:.1f} "
               f"({(median[key] / median['tuned'] - 1) * 100:+.2f}%)", flush=True)
     return median
