@@ -58,7 +58,7 @@
 #define OUT_STORE_ARGMAX 4  // y[row] = W x, and *best = max(*best, argmax_key(y[row], row)) (the output head)
 
 #define NL 2           // 16-byte loads per lane per row per chunk
-#define MAX_WARPS 16   // warps of a wide block (gemv.py WIDE_WARPS); RMSNorm's sums of squares take one float each
+#define MAX_WARPS 16   // warps of a wide block (gemv.py WIDE_WARPS); RMSNorm's sums of squares take one float each, the B zeros 64 bytes each
 #define LO_SCALE 2048.f   // x's low halves are staged times this (common.cuh split_half2)
 
 // k values covered by one 16-byte load of a row.
@@ -114,7 +114,8 @@ __device__ __forceinline__ float weight_bias() {
 //   area is overwritten by the staged x afterwards (a barrier orders the reads of the weight before
 //   those writes), so this costs no shared memory.
 // Registers are the limit: the ring of weights loaded before the wait is live here, and larger
-// batches make the q4 kernels spill.
+// batches make the q4 kernels spill. (The gemv kernel stages x one warp at a time, each warp its own
+// chunks: stage_own_chunks. The fused MLP, whose warps share chunks, stages it together.)
 template <int IN>
 __device__ __forceinline__ float input_at(const float* __restrict__ x, const long long* __restrict__ pending, int k) {
     return IN == IN_RMSNORM_PENDING ? pending_value(pending[k]) : x[k];
@@ -370,6 +371,72 @@ __device__ __forceinline__ void stage_input(__half* xs, __half* xs_lo, float* co
     if (IN != IN_PLAIN) store_warp_sum(ss, ss_warps);
 }
 
+// The groups of x that one warp multiplies: its chunks first_chunk, + chunk_step, ... (my_chunks of
+// them; gemv's warps each keep the same chunks for every tile), staged as stage_input stages them,
+// by the warp alone. The warp then needs only __syncwarp before its products: no block barrier, so
+// it starts as soon as its own part of x has landed instead of waiting for every warp's (H200, one
+// process and tuning, us per token against the block-wide staging, BENCHMARKS.md s28: Llama-2-7B q4
+// 1,323.9 -> 1,283.0, TinyLlama f16 680.0 -> 666.3, TinyLlama q4 377.2 -> 369.8). RMSNorm's sum of
+// squares covers the warp's columns; the warps' sums (ss_warps) cover x once, read after the first
+// tile's barrier. The warp's groups go to its lanes in rounds of BATCH per lane; a chunk is 8, 16 or
+// 32 groups (CW / 8), so a section's groups always sit on consecutive lanes of one round, as
+// stage_group's shuffles need.
+template <int WT, int IN, int CW, int BATCH>
+__device__ __forceinline__ void stage_own_chunks(__half* xs, __half* xs_lo, float* corr, const float* __restrict__ x,
+                                                 const long long* __restrict__ pending, const float* __restrict__ aux,
+                                                 int K, int first_chunk, int chunk_step, int my_chunks, int kc,
+                                                 float* ss_warps) {
+    constexpr int GROUPS_PER_CHUNK = CW / 8;
+    const int lane = threadIdx.x & 31;
+    const bool vector = (K & 7) == 0;          // whole, 16-byte aligned groups of 8 (buffers are aligned)
+    const int groups = kc >> 3, full = vector ? (K >> 3) : 0;
+    const int total = my_chunks * GROUPS_PER_CHUNK;
+    // The i-th group of the warp's list, or `groups` (nothing to stage) past its end.
+    auto group_of = [&](int i) {
+        return i < total ? (first_chunk + i / GROUPS_PER_CHUNK * chunk_step) * GROUPS_PER_CHUNK + i % GROUPS_PER_CHUNK
+                         : groups;
+    };
+    float ss = 0.f;                            // RMSNorm: this lane's part of the sum of squares
+    if (IN != IN_PLAIN && !vector) {
+        for (int k = 0; k < my_chunks; ++k) {
+            const int c0 = (first_chunk + k * chunk_step) * CW;
+            for (int col = c0 + lane; col < c0 + CW && col < K; col += 32) {
+                const float xk = input_at<IN>(x, pending, col);
+                ss += xk * xk;
+            }
+        }
+    }
+    float v[BATCH][8], w[BATCH][8];
+    for (int base = 0; base < total; base += 32 * BATCH) {      // uniform across the warp
+#pragma unroll
+        for (int i = 0; i < BATCH; ++i) {      // every load of the round before any use
+            const int b = group_of(base + i * 32 + lane);
+            if (b < full) {
+                load8_input<IN>(x, pending, 8 * b, v[i]);
+                if (IN != IN_PLAIN) load8(aux + 8 * b, w[i]);
+            }
+        }
+        if (base == 0) {
+            TI_TOUCH(__float_as_uint(v[0][0]));
+            TI_MARK(2);                        // x has landed (thread 0)
+        }
+#pragma unroll
+        for (int i = 0; i < BATCH; ++i) {
+            if (base + i * 32 >= total) break;  // uniform: the round's later slots are empty
+            const int b = group_of(base + i * 32 + lane);
+            float value[8];
+            const bool loaded = b < full;
+#pragma unroll
+            for (int e = 0; e < 8; ++e) {
+                if (IN != IN_PLAIN && loaded) ss += v[i][e] * v[i][e];
+                value[e] = IN == IN_PLAIN ? v[i][e] : v[i][e] * w[i][e];
+            }
+            stage_group<WT, IN>(xs, xs_lo, corr, x, pending, aux, K, b, full, groups, value);
+        }
+    }
+    if (IN != IN_PLAIN) store_warp_sum(ss, ss_warps);
+}
+
 // Bytes reserved in front of the staged vector for the cross-warp reduction (double-buffered), in a
 // split-K cluster the peer block's sums (double-buffered), and RMSNorm's per-warp sums of squares.
 __device__ __forceinline__ int gemv_scratch_bytes(int nwarps, int rt, int split) {
@@ -608,6 +675,10 @@ __global__ void __launch_bounds__(WIDE ? 512 : 256, WIDE ? 1 : 2) gemv(
     static_assert(OUT != OUT_STORE_ARGMAX || RT <= 2, "the argmax: a tile's outputs in warp 0, one per lane");
 
     TI_PROBE;
+    // Each warp stages its own part of x (stage_own_chunks), except in the kernels whose ring leaves no
+    // registers for that: q4 rings refilled at depth 2 or more with an RMSNorm input (nvcc spills,
+    // sm_90), which stage x together (stage_input, stage_normed_early) behind a block barrier.
+    constexpr bool OWN = !(WT == W_Q4 && IN != IN_PLAIN && REFILL && DEPTH > 1);
     extern __shared__ __align__(16) unsigned char smem[];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
     const int g = lane >> 2, t = lane & 3;
@@ -639,9 +710,12 @@ __global__ void __launch_bounds__(WIDE ? 512 : 256, WIDE ? 1 : 2) gemv(
 
     const bool feeds_b = (g >> 1) == t;        // lanes that feed B (see the arithmetic above)
     const __half* x_mine = WT == W_Q4 ? xs + 16 * (g & 1) : (g & 1) ? xs_lo : xs;   // the B plane this lane reads
-    uint4* x_zeros = reinterpret_cast<uint4*>(xs_lo + staged_index(nchunks * CW));   // 64 zero bytes
-    if (threadIdx.x < 4) x_zeros[threadIdx.x] = make_uint4(0u, 0u, 0u, 0u);
-    float* corr = reinterpret_cast<float*>(x_zeros + 4);       // [nchunks * CW / KPL] bias corrections
+    // 64 zero bytes per warp (MAX_WARPS of them), which each warp writes for itself when it stages
+    // its own part of x (no barrier orders another warp's writes before its reads); shared otherwise.
+    uint4* zeros = reinterpret_cast<uint4*>(xs_lo + staged_index(nchunks * CW));
+    uint4* x_zeros = zeros + (OWN ? 4 * warp : 0);
+    if ((OWN ? lane : (int)threadIdx.x) < 4) x_zeros[lane] = make_uint4(0u, 0u, 0u, 0u);
+    float* corr = reinterpret_cast<float*>(zeros + 4 * MAX_WARPS);   // [nchunks * CW / KPL] bias corrections
 
     uint4 wv[DEPTH][RT][2][NL];     // weights of rows g, g+8 of each 16-row tile
     unsigned short sc[DEPTH][RT][2][NL];   // their group scales (fp16 bits), raw: converting here would wait for the load
@@ -771,7 +845,17 @@ __global__ void __launch_bounds__(WIDE ? 512 : 256, WIDE ? 1 : 2) gemv(
         load_item(b, next_tile(), next_chunk());
         advance();
     };
-    if (norm_two_groups<IN>(K) && my_tiles * ((nchunks + nwarps - 1) / nwarps) > DEPTH) {
+    if (OWN) {
+#pragma unroll
+        for (int b = 0; b < DEPTH; ++b)
+            if (b < n_items) load_next(b);
+        pdl_wait();
+        TI_MARK(1);
+        if (holds_residual) residual = residual_at<OUT>(y, pending, first_out);
+        stage_own_chunks<WT, IN, CW, IN != IN_PLAIN ? 1 : 2>(xs, xs_lo, corr, x, pending, aux, K, chunk0 + warp, nwarps,
+                                                             my_chunks, chunk_end * CW, ss_warps);
+        __syncwarp();
+    } else if (norm_two_groups<IN>(K) && my_tiles * ((nchunks + nwarps - 1) / nwarps) > DEPTH) {
 #pragma unroll
         for (int b = 0; b < DEPTH - 1; ++b)
             if (b < n_items) load_next(b);
@@ -790,8 +874,8 @@ __global__ void __launch_bounds__(WIDE ? 512 : 256, WIDE ? 1 : 2) gemv(
         if (holds_residual) residual = residual_at<OUT>(y, pending, first_out);
         stage_input<WT, IN>(xs, xs_lo, corr, x, pending, aux, K, chunk0 * CW / 8, chunk_end * CW, ss_warps);
     }
-    __syncthreads();
-    TI_MARK(3);                        // input staged
+    if (!OWN) __syncthreads();
+    TI_MARK(3);                        // input staged (OWN: this warp's part of it)
     TI_TOUCH(wv[0][0][0][0].x);
     TI_MARK(4);                        // the first ring slot's weights have landed (thread 0)
 

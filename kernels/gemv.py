@@ -183,10 +183,10 @@ def shared_bytes(shape: GemvShape, config: GemvConfig) -> int:
     scratch = (scratch + 15) // 16 * 16
     chunk = CHUNK_K[shape.encoding]
     sections = -(-shape.cols_pad // chunk) * chunk // (chunk // 8)      # KPL = chunk / 8 columns each
-    # x as fp16 hi and lo halves (lo 32 bytes further on), 64 zero bytes, one float of bias
+    # x as fp16 hi and lo halves (lo 32 bytes further on), 64 zero bytes per warp, one float of bias
     # correction per section (q4 lays out its integer limbs and section data in the same area:
     # gemv.cu stage_group_q4)
-    return scratch + 2 * 2 * staged_halves(shape) + 32 + 64 + 4 * sections
+    return scratch + 2 * 2 * staged_halves(shape) + 32 + 64 * WIDE_WARPS + 4 * sections
 
 
 def scale_offset(shape: GemvShape) -> int:

@@ -124,9 +124,9 @@ def test_gemv_shapes_and_launch_geometry():
     assert gemv_k.name_expression(shape, gemv_k.GemvConfig(2)) == "gemv<2,64,2,1,0,1,2,0,1,0>"
     config = gemv_k.GemvConfig(2, 8)
     # reduction scratch + RMSNorm's 16 per-warp sums + x as fp16 hi and lo (with bank padding, lo 32
-    # bytes further on) + 64 zero bytes for idle B lanes + one float of bias correction per 32-column
+    # bytes further on) + 64 zero bytes per warp (16) for idle B lanes + one float of bias correction per 32-column
     # section
-    assert gemv_k.shared_bytes(shape, config) == 2 * 8 * 32 * 4 + 64 + 4 * (2048 + 256) + 32 + 64 + 4 * 2048 // 32
+    assert gemv_k.shared_bytes(shape, config) == 2 * 8 * 32 * 4 + 64 + 4 * (2048 + 256) + 32 + 64 * 16 + 4 * 2048 // 32
     odd = gemv_k.shape_of(random_encoded("f16", (37, 72), None, np.random.default_rng(0)), "plain", "add")
     assert odd.cols_pad == 72 and gemv_k.staged_halves(odd) == 128 + 16 and not odd.blocked
     # a split-K cluster keeps the peer block's sums (two tiles' worth) behind the reduction scratch
