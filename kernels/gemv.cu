@@ -845,17 +845,7 @@ __global__ void __launch_bounds__(WIDE ? 512 : 256, WIDE ? 1 : 2) gemv(
         load_item(b, next_tile(), next_chunk());
         advance();
     };
-    if (OWN) {
-#pragma unroll
-        for (int b = 0; b < DEPTH; ++b)
-            if (b < n_items) load_next(b);
-        pdl_wait();
-        TI_MARK(1);
-        if (holds_residual) residual = residual_at<OUT>(y, pending, first_out);
-        stage_own_chunks<WT, IN, CW, IN != IN_PLAIN ? 1 : 2>(xs, xs_lo, corr, x, pending, aux, K, chunk0 + warp, nwarps,
-                                                             my_chunks, chunk_end * CW, ss_warps);
-        __syncwarp();
-    } else if (norm_two_groups<IN>(K) && my_tiles * ((nchunks + nwarps - 1) / nwarps) > DEPTH) {
+    if (!OWN && norm_two_groups<IN>(K) && my_tiles * ((nchunks + nwarps - 1) / nwarps) > DEPTH) {
 #pragma unroll
         for (int b = 0; b < DEPTH - 1; ++b)
             if (b < n_items) load_next(b);
@@ -872,7 +862,17 @@ __global__ void __launch_bounds__(WIDE ? 512 : 256, WIDE ? 1 : 2) gemv(
         pdl_wait();
         TI_MARK(1);
         if (holds_residual) residual = residual_at<OUT>(y, pending, first_out);
-        stage_input<WT, IN>(xs, xs_lo, corr, x, pending, aux, K, chunk0 * CW / 8, chunk_end * CW, ss_warps);
+        if (OWN) {
+            // Groups per lane per round trip: x and the norm weight of one group, or x of three (two
+            // where the ring is deeper: nvcc spills three there). Three take Llama-2-7B's down
+            // projection (3 chunks a warp) in one round trip: -0.5% per token (H200, BENCHMARKS.md s28).
+            stage_own_chunks<WT, IN, CW, IN != IN_PLAIN ? 1 : DEPTH == 1 ? 3 : 2>(xs, xs_lo, corr, x, pending, aux, K,
+                                                                                  chunk0 + warp, nwarps, my_chunks,
+                                                                                  chunk_end * CW, ss_warps);
+            __syncwarp();
+        } else {
+            stage_input<WT, IN>(xs, xs_lo, corr, x, pending, aux, K, chunk0 * CW / 8, chunk_end * CW, ss_warps);
+        }
     }
     if (!OWN) __syncthreads();
     TI_MARK(3);                        // input staged (OWN: this warp's part of it)

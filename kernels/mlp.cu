@@ -28,6 +28,12 @@
 // read 8 bytes per element instead of x and the MLP's sums, 12 (H200, s18: TinyLlama q4 -1.7% per
 // token, f16 +0.9%; BENCHMARKS.md).
 //
+// x is staged by the warps that multiply it: phase 1's warps w of one chunk group (w / TG: the TG
+// warps of the slice's tile groups read the same chunks) stage those chunks between them and meet at
+// a barrier of their own (gemv.cu stage_own_chunks), not the whole block's; the norm factor is read
+// after phase 1 (H200, BENCHMARKS.md s28: TinyLlama q4 -0.6% per token). q8 keeps the block-wide
+// staging: with the factor read there nvcc spills its kernels (sm_90).
+//
 // Each warp's items (RT 16-row tiles x a chunk of CW columns, loaded as gemv.cu loads them) run
 // through one ring of DEPTH register slots across both phases, so phase 2's first weights are in
 // flight while phase 1 ends and while the cluster exchanges its values.
@@ -66,6 +72,7 @@ __global__ void __launch_bounds__(WIDE ? 512 : 256, WIDE ? 1 : 2) mlp(
     static_assert(DEPTH >= 1 && DEPTH <= 4, "ring depth: 1 to 4 items per warp");
 
     TI_PROBE;
+    constexpr bool OWN = WT != W_Q8;   // the warps stage their own chunks (see above)
     extern __shared__ __align__(16) unsigned char smem[];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
@@ -73,20 +80,21 @@ __global__ void __launch_bounds__(WIDE ? 512 : 256, WIDE ? 1 : 2) mlp(
     cluster_arrive_relaxed();          // pairs with the wait before the first store into a peer
 
     // Shared memory (mlp.py shared_bytes): per-warp tile sums, the slice of silu(gate) * up, x
-    // staged (hi, lo 32 bytes on, 64 zero bytes, bias corrections), the slice staged likewise, and
-    // the warps' sums of squares of x.
+    // staged (hi, lo 32 bytes on, 64 zero bytes per warp, bias corrections), the slice staged
+    // likewise, and the warps' sums of squares of x.
     const int kc1 = kpad_gu;                                  // a whole number of chunks (mlp.py)
     float* part = reinterpret_cast<float*>(smem);             // [NW][RT][16]
     float* slice = part + NW * RT * 16;                       // [SLICE]
     __half* xs = reinterpret_cast<__half*>(slice + SLICE);
     __half* xs_lo = xs + staged_index(kc1) + 16;
-    uint4* x_zeros = reinterpret_cast<uint4*>(xs_lo + staged_index(kc1));
-    float* corr1 = reinterpret_cast<float*>(x_zeros + 4);     // [kc1 / KPL]
+    uint4* zeros = reinterpret_cast<uint4*>(xs_lo + staged_index(kc1));
+    uint4* x_zeros = zeros + (OWN ? 4 * warp : 0);            // each warp's own (OWN: no block barrier before use)
+    float* corr1 = reinterpret_cast<float*>(zeros + 4 * NW);  // [kc1 / KPL]
     __half* hs = reinterpret_cast<__half*>(corr1 + kc1 / KPL);
     __half* hs_lo = hs + staged_index(SLICE) + 16;
     float* corr2 = reinterpret_cast<float*>(hs_lo + staged_index(SLICE));   // [SLICE / KPL]
     float* ss_warps = corr2 + SLICE / KPL;                    // [NW]: RMSNorm's sums of squares (stage_input)
-    if (threadIdx.x < 4) x_zeros[threadIdx.x] = make_uint4(0u, 0u, 0u, 0u);
+    if ((OWN ? lane : (int)threadIdx.x) < 4) x_zeros[lane] = make_uint4(0u, 0u, 0u, 0u);
 
     // The warp's items: n1 of phase 1, then n2 of phase 2.
     const int n1 = kc1 / CW / P;
@@ -194,12 +202,21 @@ __global__ void __launch_bounds__(WIDE ? 512 : 256, WIDE ? 1 : 2) mlp(
     for (int b = 0; b < DEPTH; ++b) load_next(b);
     pdl_wait();
     TI_MARK(1);
-    stage_input<WT, IN_RMSNORM>(xs, xs_lo, corr1, x, nullptr, norm, dim, 0, kc1, ss_warps);
-    __syncthreads();
-    TI_MARK(3);                        // x staged
-    // x was staged as x * norm (gemv.cu stage_input). Read here rather than where phase 1's sums
-    // are scaled: there, the q8 kernels spill (nvcc, sm_90).
-    const float factor = norm_factor(ss_warps, NW, dim, eps);
+    float factor = 1.f;                // RMSNorm's: x is staged as x * norm (gemv.cu stage_input)
+    if (OWN) {
+        // Warp r = warp % TG of chunk group warp / TG stages the group's chunks r, r + TG, ... (of
+        // warp / TG + i P, i < n1); the group's TG warps then meet (named barrier 1 + group).
+        const int r = warp % TG;
+        stage_own_chunks<WT, IN_RMSNORM, CW, 1>(xs, xs_lo, corr1, x, nullptr, norm, dim, warp / TG + r * P, P * TG,
+                                                r < n1 ? (n1 - r + TG - 1) / TG : 0, kc1, ss_warps);
+        if (TG > 1) asm volatile("bar.sync %0, %1;\n" ::"r"(1 + warp / TG), "r"(32 * TG) : "memory");
+        else __syncwarp();
+    } else {
+        stage_input<WT, IN_RMSNORM>(xs, xs_lo, corr1, x, nullptr, norm, dim, 0, kc1, ss_warps);
+        __syncthreads();
+        factor = norm_factor(ss_warps, NW, dim, eps);
+    }
+    TI_MARK(3);                        // x staged (OWN: this warp's group's part of it)
 
     // Phase 1.
     float acc[RT][2] = {};
@@ -215,6 +232,7 @@ __global__ void __launch_bounds__(WIDE ? 512 : 256, WIDE ? 1 : 2) mlp(
     }
     __syncthreads();
     cluster_wait();                    // every block of the cluster runs: its shared memory may be written
+    if (OWN) factor = norm_factor(ss_warps, NW, dim, eps);     // every warp's sum of squares is in
     if (threadIdx.x < OUTS) {
         const int tile = threadIdx.x / 8, row = threadIdx.x % 8;    // tile = group * RT + rt
         const int group = tile / RT, rt = tile % RT;

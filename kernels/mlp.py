@@ -94,13 +94,13 @@ def name_expression(shape: MlpShape, config: MlpConfig) -> str:
 
 
 def shared_bytes(shape: MlpShape, config: MlpConfig) -> int:
-    """mlp.cu's layout: per-warp sums, the slice, x staged (+ 64 zero bytes, bias corrections), the
-    slice staged, the warps' sums of squares."""
+    """mlp.cu's layout: per-warp sums, the slice, x staged (+ 64 zero bytes per warp, bias corrections),
+    the slice staged, the warps' sums of squares."""
     kpl = CHUNK_K[shape.gate_up.encoding] // 8
     dim = shape.gate_up.cols_pad
     staged = lambda k: 2 * 2 * (k + k // 64 * 8) + 32      # hi and lo (gemv.cu staged_index), 32 bytes apart
-    return (4 * (config.warps * config.row_tiles * 16 + SLICE) + staged(dim) + 64 + 4 * dim // kpl + staged(SLICE)
-            + 4 * SLICE // kpl + 4 * config.warps)
+    return (4 * (config.warps * config.row_tiles * 16 + SLICE) + staged(dim) + 64 * config.warps + 4 * dim // kpl
+            + staged(SLICE) + 4 * SLICE // kpl + 4 * config.warps)
 
 
 def compile_mlp(shape: MlpShape, config: MlpConfig, compute_capability: int):
