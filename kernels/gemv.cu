@@ -11,12 +11,12 @@
 // Arithmetic (f16, q8). Weights are turned into fp16 values with one LOP3 per pair (q8: byte | 0x6400
 // is 1024+u), their constant bias corrected once per section of x (see weight_bias), and multiplied
 // on the tensor cores with mma.m16n8k16 (fp32 accumulation). The input vector x is staged once per
-// block in shared memory as two fp16 vectors, hi + lo (lo = the rounding error of hi, times
-// LO_SCALE), in the order the mma fragments want it. The mma's 8 output columns hold (section,
-// hi/lo) pairs: each lane's 16-byte load is one "section" of columns inside one quantization group,
-// and B column 2t / 2t+1 carries x_hi / x_lo of section t only (see gemv below), so one mma yields
-// each lane's own section's dot product, as exact as with fp32 x, which the lane scales by its
-// group's scale in fp32.
+// block (each warp its own chunks: stage_own_chunks) in shared memory as two fp16 vectors, hi + lo
+// (lo = the rounding error of hi, times LO_SCALE), in the order the mma fragments want it. The
+// mma's 8 output columns hold (section, hi/lo) pairs: each lane's 16-byte load is one "section" of
+// columns inside one quantization group, and B column 2t / 2t+1 carries x_hi / x_lo of section t
+// only (see gemv below), so one mma yields each lane's own section's dot product, as exact as with
+// fp32 x, which the lane scales by its group's scale in fp32.
 //
 // Arithmetic (q4): integer tensor cores. The nibbles n = q + 8 stay as they are, masked into bytes
 // (low nibbles n, high ones 16 n in place: one LOP3 per 4 weights each, see tile_sums_q4), and x is
@@ -58,7 +58,7 @@
 #define OUT_STORE_ARGMAX 4  // y[row] = W x, and *best = max(*best, argmax_key(y[row], row)) (the output head)
 
 #define NL 2           // 16-byte loads per lane per row per chunk
-#define MAX_WARPS 16   // warps of a wide block (gemv.py WIDE_WARPS); RMSNorm's sums of squares take one float each, the B zeros 64 bytes each
+#define MAX_WARPS 16   // warps of a wide block (gemv.py WIDE_WARPS); one float each of RMSNorm's sums, 64 zero bytes each
 #define LO_SCALE 2048.f   // x's low halves are staged times this (common.cuh split_half2)
 
 // k values covered by one 16-byte load of a row.
@@ -615,10 +615,10 @@ __device__ __forceinline__ float residual_at(const float* y, const long long* pe
 }
 
 // Persistent blocks: the grid is sized to what stays resident on the GPU, each block stages x once
-// and then walks its row tiles (tile = blockIdx.x, + gridDim.x, ...). Every warp's work is the list
-// of (tile, chunk) items; a ring of DEPTH register buffers keeps the loads of the next DEPTH-1
-// items (also across tile boundaries) in flight while the current one is multiplied, so the DRAM
-// queue never drains while a block reduces a tile.
+// (each warp the chunks it multiplies) and then walks its row tiles (tile = blockIdx.x, + gridDim.x,
+// ...). Every warp's work is the list of (tile, chunk) items; a ring of DEPTH register buffers keeps
+// the loads of the next DEPTH-1 items (also across tile boundaries) in flight while the current one
+// is multiplied, so the DRAM queue never drains while a block reduces a tile.
 //
 // Ring depth (DEPTH, 1 to 4, tuned in the decode step; the first DEPTH items load before the PDL
 // wait). Timed alone, depths 2 to 8 are within 5% of each other; in the step a shallow ring wins
