@@ -319,6 +319,29 @@ __device__ __forceinline__ void stage_normed_early(__half* xs, __half* xs_lo, fl
     store_warp_sum(ss, ss_warps);
 }
 
+// Group b's input (x, or the fixed-point residual) and, for RMSNorm, its norm weight, when b is a
+// whole group (b < full); one round trip (stage_input, stage_own_chunks).
+template <int IN>
+__device__ __forceinline__ void load_group(const float* __restrict__ x, const long long* __restrict__ pending,
+                                           const float* __restrict__ aux, int b, int full, float (&v)[8], float (&w)[8]) {
+    if (b < full) {
+        load8_input<IN>(x, pending, 8 * b, v);
+        if (IN != IN_PLAIN) load8(aux + 8 * b, w);
+    }
+}
+
+// The values to stage from a loaded group (x, or x * w for RMSNorm), adding the group's squares to
+// RMSNorm's sum when it was loaded.
+template <int IN>
+__device__ __forceinline__ void input_values(const float (&v)[8], const float (&w)[8], bool loaded, float& ss,
+                                             float (&value)[8]) {
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+        if (IN != IN_PLAIN && loaded) ss += v[e] * v[e];
+        value[e] = IN == IN_PLAIN ? v[e] : v[e] * w[e];
+    }
+}
+
 // Groups [first, kc / 8) of x, i.e. columns [8 first, kc); first > 0 (a block of a split-K cluster
 // staging its part) only for plain inputs, whose groups are independent.
 template <int WT, int IN>
@@ -334,13 +357,8 @@ __device__ __forceinline__ void stage_input(__half* xs, __half* xs_lo, float* co
     float v[BATCH][8], w[BATCH][8];
     auto load_batch = [&](int base) {          // every load of the batch before any use
 #pragma unroll
-        for (int i = 0; i < BATCH; ++i) {
-            const int b = base + i * threads + (int)threadIdx.x;
-            if (b < full) {
-                load8_input<IN>(x, pending, 8 * b, v[i]);
-                if (IN != IN_PLAIN) load8(aux + 8 * b, w[i]);
-            }
-        }
+        for (int i = 0; i < BATCH; ++i)
+            load_group<IN>(x, pending, aux, base + i * threads + (int)threadIdx.x, full, v[i], w[i]);
     };
     float ss = 0.f;                            // RMSNorm: this thread's part of the sum of squares
     if (IN != IN_PLAIN && !vector) {
@@ -358,12 +376,7 @@ __device__ __forceinline__ void stage_input(__half* xs, __half* xs_lo, float* co
 #pragma unroll
         for (int i = 0; i < BATCH; ++i) {
             float value[8];
-            const bool loaded = base + i * threads + (int)threadIdx.x < full;
-#pragma unroll
-            for (int e = 0; e < 8; ++e) {
-                if (IN != IN_PLAIN && loaded) ss += v[i][e] * v[i][e];
-                value[e] = IN == IN_PLAIN ? v[i][e] : v[i][e] * w[i][e];
-            }
+            input_values<IN>(v[i], w[i], base + i * threads + (int)threadIdx.x < full, ss, value);
             stage_group<WT, IN>(xs, xs_lo, corr, x, pending, aux, K, base + i * threads + (int)threadIdx.x, full, groups,
                                 value);
         }
@@ -409,13 +422,8 @@ __device__ __forceinline__ void stage_own_chunks(__half* xs, __half* xs_lo, floa
     float v[BATCH][8], w[BATCH][8];
     for (int base = 0; base < total; base += 32 * BATCH) {      // uniform across the warp
 #pragma unroll
-        for (int i = 0; i < BATCH; ++i) {      // every load of the round before any use
-            const int b = group_of(base + i * 32 + lane);
-            if (b < full) {
-                load8_input<IN>(x, pending, 8 * b, v[i]);
-                if (IN != IN_PLAIN) load8(aux + 8 * b, w[i]);
-            }
-        }
+        for (int i = 0; i < BATCH; ++i)        // every load of the round before any use
+            load_group<IN>(x, pending, aux, group_of(base + i * 32 + lane), full, v[i], w[i]);
         if (base == 0) {
             TI_TOUCH(__float_as_uint(v[0][0]));
             TI_MARK(2);                        // x has landed (thread 0)
@@ -425,12 +433,7 @@ __device__ __forceinline__ void stage_own_chunks(__half* xs, __half* xs_lo, floa
             if (base + i * 32 >= total) break;  // uniform: the round's later slots are empty
             const int b = group_of(base + i * 32 + lane);
             float value[8];
-            const bool loaded = b < full;
-#pragma unroll
-            for (int e = 0; e < 8; ++e) {
-                if (IN != IN_PLAIN && loaded) ss += v[i][e] * v[i][e];
-                value[e] = IN == IN_PLAIN ? v[i][e] : v[i][e] * w[i][e];
-            }
+            input_values<IN>(v[i], w[i], b < full, ss, value);
             stage_group<WT, IN>(xs, xs_lo, corr, x, pending, aux, K, b, full, groups, value);
         }
     }

@@ -166,8 +166,8 @@ GEMV_VARIANTS = [   # (label, [(old, new, count), ...]) edits of gemv.cu (result
     ("gemv returns after pdl_wait", [("        pdl_wait();\n", "        pdl_wait();\n        return;\n", 2)]),
     ("gemv returns after staging x", [("    if (!OWN) __syncthreads();\n    TI_MARK(3);",
                                        "    if (!OWN) __syncthreads();\n    return;\n    TI_MARK(3);", 1)]),
-    ("gemv stages zeros (no x reads)", [("load8_input<IN>(x, pending, 8 * b, v[i]);",
-                                         "for (int e = 0; e < 8; ++e) v[i][e] = 0.f;", 2),
+    ("gemv stages zeros (no x reads)", [("load8_input<IN>(x, pending, 8 * b, v);",
+                                         "for (int e = 0; e < 8; ++e) v[e] = 0.f;", 1),
                                         ("load8_input<IN>(x, pending, 8 * b, v[i], true);",
                                          "for (int e = 0; e < 8; ++e) v[i][e] = 0.f;", 1)]),
 ]
