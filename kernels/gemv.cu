@@ -393,12 +393,13 @@ __device__ __forceinline__ void stage_input(__half* xs, __half* xs_lo, float* co
 // squares covers the warp's columns; the warps' sums (ss_warps) cover x once, read after the first
 // tile's barrier. The warp's groups go to its lanes in rounds of BATCH per lane; a chunk is 8, 16 or
 // 32 groups (CW / 8), so a section's groups always sit on consecutive lanes of one round, as
-// stage_group's shuffles need.
-template <int WT, int IN, int CW, int BATCH>
+// stage_group's shuffles need. x_landed() runs once the lane's first group is staged, i.e. once x's
+// first round trip is over (gemv's STAGGER issues the rest of its first ring item there).
+template <int WT, int IN, int CW, int BATCH, typename XLanded>
 __device__ __forceinline__ void stage_own_chunks(__half* xs, __half* xs_lo, float* corr, const float* __restrict__ x,
                                                  const long long* __restrict__ pending, const float* __restrict__ aux,
                                                  int K, int first_chunk, int chunk_step, int my_chunks, int kc,
-                                                 float* ss_warps) {
+                                                 float* ss_warps, XLanded x_landed) {
     constexpr int GROUPS_PER_CHUNK = CW / 8;
     const int lane = threadIdx.x & 31;
     const bool vector = (K & 7) == 0;          // whole, 16-byte aligned groups of 8 (buffers are aligned)
@@ -435,6 +436,7 @@ __device__ __forceinline__ void stage_own_chunks(__half* xs, __half* xs_lo, floa
             float value[8];
             input_values<IN>(v[i], w[i], b < full, ss, value);
             stage_group<WT, IN>(xs, xs_lo, corr, x, pending, aux, K, b, full, groups, value);
+            if (base == 0 && i == 0) x_landed();
         }
     }
     if (IN != IN_PLAIN) store_warp_sum(ss, ss_warps);
@@ -651,13 +653,28 @@ __device__ __forceinline__ float residual_at(const float* y, const long long* pe
 // shared memory), and after a cluster barrier block 0 adds them to its own, always in that order,
 // so the result does not depend on timing.
 //
+// Staggered first item (STAGGER = 1, chosen in the decode step like the depth; RMSNorm inputs whose
+// warps stage their own part of x, at ring depth 1: gemv.can_stagger). Global loads land in order:
+// on an H200 (BENCHMARKS.md s30) a warp's load of a line in L2, issued after 8 cold 16-byte loads
+// per lane, was used 5,999 cycles after them (the cold ones 6,045; through cp.async 6,036), and
+// warps with no cold loads of their own, asking after their block's other warps had, waited 3,122
+// cycles. So x, read after the PDL wait, lands only after the ring loaded before it. A block that
+// starts when the previous kernel has already ended (on Llama-2-7B most blocks of the RMSNorm-input
+// GEMVs, whose predecessors hold every SM) then waits for its whole ring before it can stage x. With
+// STAGGER only the first piece (j = 0) of the ring's first item is loaded before the wait, and its
+// other pieces once x has landed (stage_own_chunks' x_landed): x waits for half an item, and the
+// second half's round trip overlaps the staging. Blocks that start early lose the second half's
+// head start, so the tuner decides per role (H200, one process and tuning, us per token: Llama-2-7B
+// q4 1,242.4 -> 1,211.7 with wqkv, gate/up and the head staggered, 1,230.1 with every GEMV; TinyLlama
+// f16 +0.9% and q4 +1.3% with their RMSNorm-input GEMVs staggered).
+//
 // Block width (WIDE = 1: 16 warps, one block per SM; else at most 8 warps, two blocks per SM, the
 // same 128-register cap either way). A wide block splits K over twice the warps, as a split-K
 // cluster does, but sums the warps in its own shared memory. Its bounds are a separate
 // instantiation: compiled for 512 threads, the 256-thread kernels measured 0.5-2% slower in the step
 // (H200, BENCHMARKS.md s16).
 
-template <int WT, int G, int RT, int IN, int OUT, int SPLIT, int DEPTH, int REFILL, int BLOCKED, int WIDE>
+template <int WT, int G, int RT, int IN, int OUT, int SPLIT, int DEPTH, int REFILL, int BLOCKED, int WIDE, int STAGGER = 0>
 __global__ void __launch_bounds__(WIDE ? 512 : 256, WIDE ? 1 : 2) gemv(
     const unsigned char* __restrict__ w,     // tensor start: values, kpad columns, row-major or BLOCKED
     const __half* __restrict__ scales,       // q8/q4: [rows][kpad/G] or BLOCKED; f16: unused
@@ -682,6 +699,7 @@ __global__ void __launch_bounds__(WIDE ? 512 : 256, WIDE ? 1 : 2) gemv(
     // registers for that: q4 rings refilled at depth 2 or more with an RMSNorm input (nvcc spills,
     // sm_90), which stage x together (stage_input, stage_normed_early) behind a block barrier.
     constexpr bool OWN = !(WT == W_Q4 && IN != IN_PLAIN && REFILL && DEPTH > 1);
+    static_assert(!STAGGER || (OWN && IN != IN_PLAIN), "a staggered first item: RMSNorm inputs staged by each warp");
     extern __shared__ __align__(16) unsigned char smem[];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
     const int g = lane >> 2, t = lane & 3;
@@ -752,7 +770,8 @@ __global__ void __launch_bounds__(WIDE ? 512 : 256, WIDE ? 1 : 2) gemv(
                 }
             }
     };
-    auto load_item = [&](int b, int tile, int chunk) {
+    // Pieces [j0, j1) of an item into ring slot b (load_item: all of them).
+    auto load_pieces = [&](int b, int tile, int chunk, int j0, int j1) {
         u32 value_at[RT][2][NL], scale_at[RT][2][NL];
         item_offsets(tile, chunk, value_at, scale_at);
 #pragma unroll
@@ -760,7 +779,7 @@ __global__ void __launch_bounds__(WIDE ? 512 : 256, WIDE ? 1 : 2) gemv(
 #pragma unroll
             for (int h = 0; h < 2; ++h)
 #pragma unroll
-                for (int j = 0; j < NL; ++j) {
+                for (int j = j0; j < j1; ++j) {
                     wv[b][rt][h][j] = load_stream(w + value_at[rt][h][j]);
                     // (REFILL: the scale through the same ld.global.nc as refill_piece's; a plain
                     // load of it then compiled to a coherent one.)
@@ -769,6 +788,7 @@ __global__ void __launch_bounds__(WIDE ? 512 : 256, WIDE ? 1 : 2) gemv(
                     else sc[b][rt][h][j] = __half_as_ushort(scales[scale_at[rt][h][j]]);   // converted when used
                 }
     };
+    auto load_item = [&](int b, int tile, int chunk) { load_pieces(b, tile, chunk, 0, NL); };
     // REFILL: piece j of an item where `pred` holds, as predicates rather than a branch (see
     // compute_item).
     auto refill_piece = [&](int b, int j, int tile, int chunk, bool pred) {
@@ -859,9 +879,17 @@ __global__ void __launch_bounds__(WIDE ? 512 : 256, WIDE ? 1 : 2) gemv(
         stage_normed_early<WT, IN>(xs, xs_lo, corr, x, pending, aux, K, nchunks * CW / 8, ss_warps);
         if (DEPTH - 1 < n_items) load_next(DEPTH - 1);
     } else {
+        const int first_tile = next_tile(), first_chunk = next_chunk();    // (STAGGER) slot 0's item
 #pragma unroll
         for (int b = 0; b < DEPTH; ++b)
-            if (b < n_items) load_next(b);
+            if (b < n_items) {
+                if (STAGGER && b == 0) {
+                    load_pieces(0, first_tile, first_chunk, 0, 1);
+                    advance();
+                } else {
+                    load_next(b);
+                }
+            }
         pdl_wait();
         TI_MARK(1);
         if (holds_residual) residual = residual_at<OUT>(y, pending, first_out);
@@ -871,7 +899,9 @@ __global__ void __launch_bounds__(WIDE ? 512 : 256, WIDE ? 1 : 2) gemv(
             // projection (3 chunks a warp) in one round trip: -0.5% per token (H200, BENCHMARKS.md s28).
             stage_own_chunks<WT, IN, CW, IN != IN_PLAIN ? 1 : DEPTH == 1 ? 3 : 2>(xs, xs_lo, corr, x, pending, aux, K,
                                                                                   chunk0 + warp, nwarps, my_chunks,
-                                                                                  chunk_end * CW, ss_warps);
+                                                                                  chunk_end * CW, ss_warps, [&] {
+                if (STAGGER && n_items > 0) load_pieces(0, first_tile, first_chunk, 1, NL);
+            });
             __syncwarp();
         } else {
             stage_input<WT, IN>(xs, xs_lo, corr, x, pending, aux, K, chunk0 * CW / 8, chunk_end * CW, ss_warps);

@@ -6,7 +6,8 @@ output (store, add, swiglu: silu(gate) * up of the fused [gate; up] matrix, stor
 fold the greedy argmax into one uint64 word for the sampler); a GemvConfig is the
 tunable part (row tiles of 16 per block, warps per block (16: a wide block, one per SM), whether a
 cluster of two blocks splits K, the ring depth: items each warp keeps in flight, whether the grid is
-balanced: grid_units, and whether the ring is refilled during the products: gemv.cu's REFILL).
+balanced: grid_units, whether the ring is refilled during the products: gemv.cu's REFILL, and
+whether the ring's first item is staggered around the input's round trip: gemv.cu's STAGGER).
 make_gemv turns both plus device pointers into a Launch.
 """
 
@@ -70,17 +71,20 @@ class GemvConfig:
     depth: int = 0       # items in flight per warp; 0: DEFAULT_DEPTH of row_tiles
     balanced: bool = False   # grid: the fewest blocks for as many rounds of tiles (grid_units)
     refill: bool = False     # the next item's loads issued during this one's products (gemv.cu REFILL)
+    staggered: bool = False  # the first item's second half loaded once x has landed (gemv.cu STAGGER)
 
     def __post_init__(self):
         if self.depth == 0:
             object.__setattr__(self, "depth", DEFAULT_DEPTH.get(self.row_tiles, 0))
 
     def as_dict(self) -> dict:
-        """As stored in autotune caches and files: split, depth, balanced and refill only where they
-        differ from the defaults, so entries written before any of them existed keep their meaning."""
+        """As stored in autotune caches and files: split, depth, balanced, refill and staggered only
+        where they differ from the defaults, so entries written before any of them existed keep their
+        meaning."""
         return {"row_tiles": self.row_tiles, "warps": self.warps, **({"split": self.split} if self.split > 1 else {}),
                 **({"depth": self.depth} if self.depth != DEFAULT_DEPTH.get(self.row_tiles) else {}),
-                **({"balanced": True} if self.balanced else {}), **({"refill": True} if self.refill else {})}
+                **({"balanced": True} if self.balanced else {}), **({"refill": True} if self.refill else {}),
+                **({"staggered": True} if self.staggered else {})}
 
     @property
     def wide(self) -> bool:
@@ -89,7 +93,8 @@ class GemvConfig:
     @property
     def label(self) -> str:
         return (f"R{self.row_tiles}/w{self.warps}" + (f"/split{self.split}" if self.split > 1 else "") + f"/d{self.depth}"
-                + ("/bal" if self.balanced else "") + ("/refill" if self.refill else ""))
+                + ("/bal" if self.balanced else "") + ("/refill" if self.refill else "")
+                + ("/stag" if self.staggered else ""))
 
 
 def splittable(shape: GemvShape) -> bool:
@@ -112,15 +117,25 @@ def configs_for(shape: GemvShape, compute_capability: int) -> list:
 def depth_variants(shape: GemvShape, config: GemvConfig) -> list:
     """config at each ring depth the tuner tries in the decode step; a refilled ring stays refilled
     where that kernel exists at the new depth (can_refill) and is refilled after the products where
-    it does not (the tuner's joint moves start from refilled choices)."""
+    it does not (the tuner's joint moves start from refilled choices); likewise a staggered first
+    item (can_stagger)."""
     variants = [replace(config, depth=d) for d in STEP_DEPTHS[config.row_tiles]]
-    return [replace(v, refill=v.refill and can_refill(shape, v)) for v in variants]
+    variants = [replace(v, refill=v.refill and can_refill(shape, v)) for v in variants]
+    return [replace(v, staggered=v.staggered and can_stagger(shape, v)) for v in variants]
 
 
 def can_refill(shape: GemvShape, config: GemvConfig) -> bool:
     """Whether the REFILL kernel exists for this configuration: q8 with R = 2 at depth 2 would hold
     more than the 128 registers a thread has there (nvcc spills it)."""
     return not (shape.encoding == "q8" and config.row_tiles == 2 and config.depth == 2)
+
+
+def can_stagger(shape: GemvShape, config: GemvConfig) -> bool:
+    """Whether the STAGGER kernel exists: for RMSNorm inputs (the GEMVs whose blocks start late on
+    Llama-2-7B; staggering the plain-input ones lost there) at ring depth 1, where it was measured to
+    pay. Deeper rings hold more registers, and nvcc spilled some of them staggered (q4 R = 1 at depth
+    4, q8 R = 2 at depth 2; sm_90); at depth 1 none of the 120 kinds spills (BENCHMARKS.md s30)."""
+    return shape.input != "plain" and config.depth == 1
 
 
 def pending_variant(shape: GemvShape, config: GemvConfig) -> GemvConfig:
@@ -145,10 +160,11 @@ def pending_variant(shape: GemvShape, config: GemvConfig) -> GemvConfig:
 
 def all_configs(shape: GemvShape, compute_capability: int) -> list:
     """Every configuration the tuner can choose for this shape: what it times alone, at every depth,
-    with either grid, with and without refill."""
-    return [replace(v, balanced=b, refill=r) for config in configs_for(shape, compute_capability)
-            for v in depth_variants(shape, config) for b in (False, True) for r in (False, True)
-            if not r or can_refill(shape, v)]
+    with either grid, with and without refill, staggered or not."""
+    with_refill = [replace(v, balanced=b, refill=r) for config in configs_for(shape, compute_capability)
+                   for v in depth_variants(shape, config) for b in (False, True) for r in (False, True)
+                   if not r or can_refill(shape, v)]
+    return with_refill + [replace(c, staggered=True) for c in with_refill if can_stagger(shape, c)]
 
 
 def shape_of(tensor_info, input: str = "plain", output: str = "store") -> GemvShape:
@@ -166,7 +182,7 @@ def shape_of(tensor_info, input: str = "plain", output: str = "store") -> GemvSh
 def name_expression(shape: GemvShape, config: GemvConfig) -> str:
     return (f"gemv<{ENCODING_ID[shape.encoding]},{shape.group},{config.row_tiles},"
             f"{INPUT_ID[shape.input]},{OUTPUT_ID[shape.output]},{config.split},{config.depth},{int(config.refill)},"
-            f"{int(shape.blocked)},{int(config.wide)}>")
+            f"{int(shape.blocked)},{int(config.wide)},{int(config.staggered)}>")
 
 
 def staged_halves(shape: GemvShape) -> int:
@@ -201,12 +217,20 @@ class GemvModules:
     build.compile_all(self.modules) compiles them."""
 
     def __init__(self, items, compute_capability: int):
+        self.compute_capability = compute_capability
         expressions = sorted({name_expression(shape, c) for shape, c in items})
         self.by_expression = {e: module("gemv.cu", (e,), compute_capability) for e in expressions}
         self.modules = list(self.by_expression.values())
 
+    def module_for(self, expression: str):
+        """The module of one instantiation, made now if `items` did not hold it (compiled when first
+        used, or by build.compile_all)."""
+        if expression not in self.by_expression:
+            self.by_expression[expression] = module("gemv.cu", (expression,), self.compute_capability)
+        return self.by_expression[expression]
+
     def get_function(self, expression: str):
-        return self.by_expression[expression].get_function(expression)
+        return self.module_for(expression).get_function(expression)
 
 
 def compile_gemvs(items, compute_capability: int) -> GemvModules:
@@ -282,6 +306,8 @@ def make_gemv(mod, shape: GemvShape, config: GemvConfig, weight, x, y, aux=None,
                          "addresses tensors below 4 GiB")
     if config.split > 1 and not splittable(shape):
         raise ValueError(f"no split-K GEMV for {shape.input} input and {shape.output} output")
+    if config.staggered and not can_stagger(shape, config):
+        raise ValueError(f"no staggered GEMV for {shape.key} with {config.label}")
     if (pending is None) != (shape.input != "rmsnorm_pending" and shape.output != "add_pending"):
         raise ValueError(f"{shape.key}: pending sums are passed exactly when the GEMV reads them")
     if (best is None) != (shape.output != "store_argmax"):

@@ -208,7 +208,7 @@ __global__ void __launch_bounds__(WIDE ? 512 : 256, WIDE ? 1 : 2) mlp(
         // warp / TG + i P, i < n1); the group's TG warps then meet (named barrier 1 + group).
         const int r = warp % TG;
         stage_own_chunks<WT, IN_RMSNORM, CW, 1>(xs, xs_lo, corr1, x, nullptr, norm, dim, warp / TG + r * P, P * TG,
-                                                r < n1 ? (n1 - r + TG - 1) / TG : 0, kc1, ss_warps);
+                                                r < n1 ? (n1 - r + TG - 1) / TG : 0, kc1, ss_warps, [] {});
         if (TG > 1) asm volatile("bar.sync %0, %1;\n" ::"r"(1 + warp / TG), "r"(32 * TG) : "memory");
         else __syncwarp();
     } else {

@@ -268,8 +268,11 @@ class CudaBackend(Backend):
     def compile(self) -> None:
         cc = self.compute_capability
         self.shapes = self.gemv_shapes()
-        self.gemv_module = gemv_k.GemvModules(
-            [(shape, config) for shape in self.shapes.values() for config in gemv_k.all_configs(shape, cc)], cc)
+        every = [(shape, config) for shape in self.shapes.values() for config in gemv_k.all_configs(shape, cc)]
+        # The staggered kernels (gemv.cu STAGGER) are made when the tuner reaches them, or when a
+        # tuning that chose them is used (GemvModules.module_for): twice the modules here would
+        # slow every load.
+        self.gemv_module = gemv_k.GemvModules([(shape, config) for shape, config in every if not config.staggered], cc)
         timed_alone = [(shape, config) for shape in self.shapes.values() for config in gemv_k.configs_for(shape, cc)]
         self.attn_module = attn_k.compile_attention(cc, self.attn_plan.cluster)
         self.misc_module = misc_k.compile_misc(cc)
@@ -476,7 +479,7 @@ class CudaBackend(Backend):
         best, self.tuning_times = autotune.tune(candidates, self.stream, self.wait_launch, self.flush_l2(), self.pdl)
         self._flush = self._flush_buffer = None
         best, self.step_contests = autotune.confirm_in_step(best, self.tuning_times, self.step_us)
-        # Three stages in the step, each over the roles largest matrix first. The depth: the largest
+        # Four stages in the step, each over the roles largest matrix first. The depth: the largest
         # matrix's moves the step most and changes which depths suit the others (on one H200,
         # TinyLlama q4 settled at 483 us per token going wqkv first; gate/up first reached 468); the
         # output head runs once per token, so its depth moves the step by less than the timing noise.
@@ -485,14 +488,16 @@ class CudaBackend(Backend):
         # Llama-2-7B f16's gate/up and down projections and lost on every TinyLlama q4 role.
         by_size = sorted((r for r in roles if r != "output"), key=lambda r: -self.shapes[r].weight_bytes)
         for options_of in (self.depth_options, self.grid_options, self.refill_options):
-            options = {role: options_of(role, best[role]) for role in by_size}
-            best, trials = autotune.variants_in_step(best, {r: o for r, o in options.items() if o}, self.step_us)
-            for role, times in trials.items():
-                self.step_contests[role] = {**self.step_contests.get(role, {}), **times}
-        # Last, the contest losers again, each together with the next GEMV's other depths, and every
-        # role in wide blocks at once.
+            best = self.try_in_step(best, options_of, by_size)
+        # Then the contest losers again, each together with the next GEMV's other depths, and every
+        # role in wide blocks at once. Then, on the choices that won, the first ring item staggered
+        # around the input's round trip (gemv.cu STAGGER; its kernels built here, in parallel).
         moves = self.neighbour_moves(best) + self.wide_moves(best)
         best, self.joint_moves = autotune.moves_in_step(best, moves, self.step_us)
+        rivals = {role: self.stagger_options(role, best[role]) for role in by_size + ["output"]}
+        build.compile_all(list(dict.fromkeys(self.gemv_module.module_for(gemv_k.name_expression(self.shapes[role], c))
+                                             for role, configs in rivals.items() for c in configs)))
+        best = self.try_in_step(best, self.stagger_options, [role for role, configs in rivals.items() if configs])
         best = self.fusion_contest(best)
         # Last, where the MLP is fused: the GEMVs that then read the fixed-point residual, timed in
         # the fused step (their stages above ran in the unfused one), the output head first.
@@ -640,6 +645,21 @@ class CudaBackend(Backend):
         rival = replace(chosen, refill=not chosen.refill)
         return [rival] if gemv_k.can_refill(self.shapes[role], rival) else []
 
+    def try_in_step(self, best: dict, options_of, roles: list) -> dict:
+        """autotune.variants_in_step over options_of(role, chosen) for `roles` in that order; every
+        timing kept in step_contests."""
+        options = {role: options_of(role, best[role]) for role in roles}
+        best, trials = autotune.variants_in_step(best, {r: o for r, o in options.items() if o}, self.step_us)
+        for role, times in trials.items():
+            self.step_contests[role] = {**self.step_contests.get(role, {}), **times}
+        return best
+
+    def stagger_options(self, role: str, chosen: gemv_k.GemvConfig) -> list:
+        """The chosen configuration with its first ring item staggered the other way (gemv.cu
+        STAGGER), where that kernel exists (GEMVs with an RMSNorm input: gemv.can_stagger)."""
+        rival = replace(chosen, staggered=not chosen.staggered)
+        return [rival] if gemv_k.can_stagger(self.shapes[role], rival) else []
+
     def step_us(self, tuning: dict, replays: int | None = None) -> float:
         """GPU microseconds per decode step with these GEMV configurations: graph replays back to
         back from position 0 (greedy; what the cache rows hold does not change the time). replays:
@@ -688,6 +708,7 @@ class CudaBackend(Backend):
             lines.append(f"  {self.shapes[role].key:40s} R={config.row_tiles} warps={config.warps}"
                          + (f" split={config.split}" if config.split > 1 else "") + f" depth={config.depth}"
                          + (" balanced" if config.balanced else "") + (" refill" if config.refill else "")
+                         + (" staggered" if config.staggered else "")
                          + (f"  ({detail})" if detail else ""))
             if role in self.step_contests:
                 lines.append("    in the whole step: " + ", ".join(

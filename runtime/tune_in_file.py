@@ -131,7 +131,7 @@ def gemv_configs(choices, candidates: dict, mlp_candidates=()) -> dict | None:
         # Plain ints only: a bool compares equal to 1 and a list does not hash.
         if any(type(value) is not int for value in fields):
             return None
-        flags = [choice.get("balanced", False), choice.get("refill", False)]
+        flags = [choice.get("balanced", False), choice.get("refill", False), choice.get("staggered", False)]
         if any(type(flag) is not bool for flag in flags):
             return None
         config = gemv.GemvConfig(*fields, *flags)

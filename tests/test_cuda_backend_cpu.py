@@ -121,7 +121,7 @@ def test_gemv_shapes_and_launch_geometry():
     t = random_encoded("q4", (2560, 2048), 64, np.random.default_rng(0))
     shape = gemv_k.shape_of(t, "rmsnorm", "store")
     assert shape.cols_pad == 2048 and shape.weight_bytes == 2560 * (1024 + 64) and shape.blocked
-    assert gemv_k.name_expression(shape, gemv_k.GemvConfig(2)) == "gemv<2,64,2,1,0,1,2,0,1,0>"
+    assert gemv_k.name_expression(shape, gemv_k.GemvConfig(2)) == "gemv<2,64,2,1,0,1,2,0,1,0,0>"
     config = gemv_k.GemvConfig(2, 8)
     # reduction scratch + RMSNorm's 16 per-warp sums + x as fp16 hi and lo (with bank padding, lo 32
     # bytes further on) + 64 zero bytes per warp (16) for idle B lanes + one float of bias correction per 32-column
@@ -132,13 +132,14 @@ def test_gemv_shapes_and_launch_geometry():
     # a split-K cluster keeps the peer block's sums (two tiles' worth) behind the reduction scratch
     split = gemv_k.GemvConfig(1, 4, 2)
     assert gemv_k.shared_bytes(odd, split) - gemv_k.shared_bytes(odd, gemv_k.GemvConfig(1, 4)) == 2 * 16 * 4
-    assert gemv_k.name_expression(odd, split) == "gemv<0,0,1,0,1,2,4,0,0,0>"
-    assert gemv_k.name_expression(odd, gemv_k.GemvConfig(1, 4, 2, refill=True)) == "gemv<0,0,1,0,1,2,4,1,0,0>"
+    assert gemv_k.name_expression(odd, split) == "gemv<0,0,1,0,1,2,4,0,0,0,0>"
+    assert gemv_k.name_expression(odd, gemv_k.GemvConfig(1, 4, 2, refill=True)) == "gemv<0,0,1,0,1,2,4,1,0,0,0>"
+    assert gemv_k.name_expression(odd, gemv_k.GemvConfig(1, 4, 2, staggered=True)) == "gemv<0,0,1,0,1,2,4,0,0,0,1>"
     # a wide block (16 warps) is its own instantiation (launch bounds of 512 threads), with twice the
     # warps' partial sums in its reduction scratch
     wide = gemv_k.GemvConfig(1, 16)
     assert wide.wide and not config.wide and wide.label == "R1/w16/d4"
-    assert gemv_k.name_expression(shape, wide) == "gemv<2,64,1,1,0,1,4,0,1,1>"
+    assert gemv_k.name_expression(shape, wide) == "gemv<2,64,1,1,0,1,4,0,1,1,0>"
     assert gemv_k.shared_bytes(shape, wide) - gemv_k.shared_bytes(shape, gemv_k.GemvConfig(1, 8)) == 2 * 8 * 16 * 4
 
 
@@ -398,8 +399,11 @@ def test_ring_depths_default_round_trip_and_variants():
     assert [c.depth for c in gemv_k.depth_variants(f16, C(1, 8))] == [1, 2, 3, 4]
     assert all(c.split == 2 and c.warps == 8 for c in gemv_k.depth_variants(q4, C(1, 8, 2)))
     assert set(gemv_k.configs_for(q4, 90)) < set(gemv_k.all_configs(q4, 90))
-    # splits x warps (4, 8, 16) x (R1 + R2 depths) x grids x refill
+    # splits x warps (4, 8, 16) x (R1 + R2 depths) x grids x refill (a plain input: none staggered)
     assert len(gemv_k.all_configs(q4, 90)) == 2 * 3 * (4 + 2) * 2 * 2
+    # an RMSNorm input: no split-K, and staggered at depth 1 (R1 and R2)
+    q4_norm = replace(q4, input="rmsnorm")
+    assert len(gemv_k.all_configs(q4_norm, 90)) == 3 * 2 * 2 * ((4 + 2) + 2)
     q8 = gemv_k.shape_of(random_encoded("q8", (256, 512), 64, np.random.default_rng(0)), "plain", "add")
     assert not any(c.refill and c.row_tiles == 2 and c.depth == 2 for c in gemv_k.all_configs(q8, 90))   # spills
     # a refilled choice's depth variants are all kernels that exist (a joint move of the tuner built
@@ -428,6 +432,36 @@ def test_refill_round_trips_and_is_tried_last_where_the_kernel_exists():
     assert CudaBackend.refill_options(fake, "w_gate_up", C(2, 8, 1, 2, refill=True)) == [C(2, 8, 1, 2)]
     assert CudaBackend.refill_options(fake, "wo", C(2, 8, 1, 2)) == []      # q8 R = 2 at depth 2: no such kernel
     assert CudaBackend.refill_options(fake, "wo", C(2, 8, 1, 1)) == [C(2, 8, 1, 1, refill=True)]
+
+
+def test_staggered_first_items_round_trip_and_exist_for_rmsnorm_inputs_at_depth_1():
+    from types import SimpleNamespace
+
+    from tinyinfer.runtime.cuda_backend import CudaBackend
+
+    C = gemv_k.GemvConfig
+    # caches and files: no key means the whole first item loaded before the PDL wait, as before the option
+    assert "staggered" not in C(2, 16, 1, 1).as_dict()
+    assert C(2, 16, 1, 1, staggered=True).as_dict() == {"row_tiles": 2, "warps": 16, "depth": 1, "staggered": True}
+    assert C(**C(2, 8, 1, 1, True, True, True).as_dict()) == C(2, 8, 1, 1, True, True, True)
+    assert C(2, 8, 1, 1, True, True, True).label.endswith("/bal/refill/stag")
+    rng = np.random.default_rng(0)
+    q4_norm = gemv_k.shape_of(random_encoded("q4", (256, 512), 64, rng), "rmsnorm", "swiglu")
+    q4_plain = gemv_k.shape_of(random_encoded("q4", (256, 512), 64, rng), "plain", "add")
+    # staggered at ring depth 1 only (deeper rings spilled some kinds)
+    assert not gemv_k.can_stagger(q4_norm, C(1, 8, 1, 2, refill=True)) and not gemv_k.can_stagger(q4_norm, C(1, 8, 1, 4))
+    assert gemv_k.can_stagger(q4_norm, C(1, 8, 1, 1, refill=True)) and gemv_k.can_stagger(q4_norm, C(2, 16, 1, 1))
+    assert not gemv_k.can_stagger(q4_plain, C(2, 16, 1, 1))     # plain inputs lost on Llama-2-7B (gemv.cu STAGGER)
+    assert not any(c.staggered and not gemv_k.can_stagger(q4_norm, c) for c in gemv_k.all_configs(q4_norm, 90))
+    assert [(c.depth, c.staggered) for c in gemv_k.depth_variants(q4_norm, C(1, 8, 1, 1, refill=True, staggered=True))] \
+        == [(1, True), (2, False), (3, False), (4, False)]
+    fake = SimpleNamespace(shapes={"w_gate_up": q4_norm, "w_down": q4_plain})
+    assert CudaBackend.stagger_options(fake, "w_gate_up", C(2, 16, 1, 1)) == [C(2, 16, 1, 1, staggered=True)]
+    assert CudaBackend.stagger_options(fake, "w_down", C(2, 16, 1, 1)) == []
+    assert CudaBackend.stagger_options(fake, "w_gate_up", C(2, 16, 1, 1, staggered=True)) == [C(2, 16, 1, 1)]
+    assert CudaBackend.stagger_options(fake, "w_gate_up", C(1, 8, 1, 3)) == []
+    with pytest.raises(ValueError, match="no staggered GEMV"):
+        gemv_k.make_gemv(None, q4_norm, C(1, 8, 1, 3, staggered=True), None, None, None)
 
 
 def test_balanced_grids_keep_the_rounds_with_fewer_blocks():
@@ -492,10 +526,12 @@ def test_the_step_contests_loser_stays_in_the_depth_stage():
     assert C(1, 16, depth=1) in CudaBackend.depth_options(fake, "wo", C(1, 8, depth=1))
 
 
-def test_the_tuner_runs_depth_grid_and_refill_stages_in_the_step(monkeypatch):
+def test_the_tuner_runs_depth_grid_refill_and_stagger_stages_in_the_step(monkeypatch):
     """CudaBackend.tune after the timings alone: the depth, then the grid, then the refill, each over
-    the roles largest matrix first, each change kept only at STEP_MARGIN faster, every timing kept in
-    step_contests and the choices saved."""
+    the roles largest matrix first, then (after the joint moves) the staggered first item for the
+    RMSNorm-input GEMVs (the output head too, its kernels built first), each change kept only at
+    STEP_MARGIN faster, every timing kept in step_contests and the choices saved."""
+    from tinyinfer.kernels import build
     from types import SimpleNamespace
 
     from tinyinfer.runtime import tune_in_file
@@ -512,12 +548,15 @@ def test_the_tuner_runs_depth_grid_and_refill_stages_in_the_step(monkeypatch):
     monkeypatch.setattr(autotune, "cache_key", lambda *args: "key")
     monkeypatch.setattr(autotune, "load_cached", lambda key: None)
     monkeypatch.setattr(autotune, "save_cached", lambda key, choices, about: saved.update(choices))
-    monkeypatch.setattr(autotune, "tune", lambda candidates, *args: ({role: C(1, 8) for role in candidates}, {}))
+    monkeypatch.setattr(autotune, "tune", lambda candidates, *args: (
+        {role: C(2, 16, depth=1) if role == "output" else C(1, 8) for role in candidates}, {}))
     monkeypatch.setattr(autotune, "confirm_in_step", lambda best, times, step_us: (best, {}))
+    built = []
+    monkeypatch.setattr(build, "compile_all", lambda modules: built.append(list(modules)))
 
-    def step_us(tuning):      # w_down: depth 3 and the balanced grid win, its refill loses; wqkv's refill wins
-        down, qkv = tuning["w_down"], tuning["wqkv"]
-        return 500.0 - 10 * (down.depth == 3) - 5 * down.balanced + 6 * down.refill - 4 * qkv.refill
+    def step_us(tuning):      # w_down: depth 3 and the balanced grid win, its refill loses; wqkv's refill wins;
+        down, qkv, head = tuning["w_down"], tuning["wqkv"], tuning["output"]     # the head staggered wins
+        return 500.0 - 10 * (down.depth == 3) - 5 * down.balanced + 6 * down.refill - 4 * qkv.refill - 3 * head.staggered
 
     buffer = SimpleNamespace(fill=lambda value: None)
     fake = SimpleNamespace(shapes=shapes, compute_capability=90, n_layers=1, tinf=SimpleNamespace(path="m.tinf"),
@@ -526,17 +565,24 @@ def test_the_tuner_runs_depth_grid_and_refill_stages_in_the_step(monkeypatch):
                            gemv_launch=lambda role, layer, c: SimpleNamespace(grid=(gemv_k.grid_units(
                                -(-shapes[role].rows // (16 * c.row_tiles)), 264, c.balanced),)))
     fake.mlp_candidates = lambda: []          # no fused MLP: these shapes have none (see the fusion test)
-    for stage in ("depth_options", "grid_options", "refill_options", "neighbour_moves", "wide_moves", "fusion_contest"):
+    fake.gemv_module = SimpleNamespace(module_for=lambda expression: expression)
+    for stage in ("try_in_step", "depth_options", "grid_options", "refill_options", "stagger_options", "neighbour_moves",
+                  "wide_moves", "fusion_contest"):
         setattr(fake, stage, getattr(CudaBackend, stage).__get__(fake))
     best = CudaBackend.tune(fake)
-    assert best == {"wqkv": C(1, 8, refill=True), "w_down": C(1, 8, depth=3, balanced=True), "output": C(1, 8)}
+    assert best == {"wqkv": C(1, 8, refill=True), "w_down": C(1, 8, depth=3, balanced=True),
+                    "output": C(2, 16, depth=1, staggered=True)}
     assert fake.joint_moves == {}                  # no step contest, so no rival to try with neighbours
     assert saved == {role: config.as_dict() for role, config in best.items()}
-    down = fake.step_contests["w_down"]       # 4 depths, then the balanced grid, then the refill
+    down = fake.step_contests["w_down"]       # 4 depths, then the balanced grid, then the refill (a plain input: not staggered)
     assert len(down) == 6 and down[C(1, 8, depth=3, balanced=True, refill=True)] == 491.0
     assert fake.step_contests["wqkv"][C(1, 8, refill=True)] == 481.0
+    # a ring of depth 4: no staggered kernel (gemv.can_stagger)
+    assert C(1, 8, refill=True, staggered=True) not in fake.step_contests["wqkv"]
     assert C(1, 8, balanced=True) not in fake.step_contests["wqkv"]      # 160 tiles: the same grid either way
-    assert "output" not in fake.step_contests
+    assert fake.step_contests["output"] == {C(2, 16, depth=1): 481.0, C(2, 16, depth=1, staggered=True): 478.0}
+    # the staggered kernels are built in one batch, right before their stage
+    assert built == [[gemv_k.name_expression(shapes["output"], C(2, 16, depth=1, staggered=True))]]
 
 
 def test_a_contest_loser_is_tried_again_with_its_neighbours_depths():

@@ -61,6 +61,17 @@ GEMV_INSTANCES = [("W_F16", 0, 1, "IN_RMSNORM", "OUT_STORE", 1, 4, 0, 1, 0), ("W
                   ("W_Q8", 64, 2, "IN_RMSNORM_PENDING", "OUT_STORE_ARGMAX", 1, 2, 0, 1, 1),
                   ("W_F16", 0, 2, "IN_RMSNORM", "OUT_STORE_ARGMAX", 1, 2, 1, 1, 1),
                   ("W_Q4", 64, 1, "IN_RMSNORM", "OUT_STORE_ARGMAX", 1, 4, 1, 1, 0)]
+# The staggered first item (an 11th argument, STAGGER = 1; RMSNorm inputs at ring depth 1 only,
+# gemv.can_stagger): Llama-2-7B q4's roles as tuned (R = 2, wide), R = 1, the refilled rings, every
+# encoding, and the fused step's readers of the pending sums.
+GEMV_INSTANCES += [("W_Q4", 64, 2, "IN_RMSNORM", "OUT_SWIGLU", 1, 1, 0, 1, 1, 1), ("W_Q4", 64, 2, "IN_RMSNORM", "OUT_STORE", 1, 1, 0, 1, 1, 1),
+                   ("W_Q4", 64, 2, "IN_RMSNORM", "OUT_STORE_ARGMAX", 1, 1, 0, 1, 1, 1), ("W_Q4", 64, 1, "IN_RMSNORM", "OUT_SWIGLU", 1, 1, 0, 1, 0, 1),
+                   ("W_Q4", 64, 2, "IN_RMSNORM", "OUT_SWIGLU", 1, 1, 1, 1, 0, 1), ("W_Q8", 64, 2, "IN_RMSNORM", "OUT_SWIGLU", 1, 1, 1, 1, 1, 1),
+                   ("W_Q8", 64, 1, "IN_RMSNORM", "OUT_STORE", 1, 1, 0, 1, 0, 1), ("W_F16", 0, 2, "IN_RMSNORM", "OUT_STORE", 1, 1, 1, 1, 1, 1),
+                   ("W_F16", 0, 1, "IN_RMSNORM", "OUT_SWIGLU", 1, 1, 0, 1, 0, 1),
+                   ("W_Q4", 64, 2, "IN_RMSNORM_PENDING", "OUT_STORE", 1, 1, 0, 1, 1, 1), ("W_Q4", 64, 1, "IN_RMSNORM_PENDING", "OUT_STORE", 1, 1, 1, 1, 0, 1),
+                   ("W_Q8", 64, 2, "IN_RMSNORM_PENDING", "OUT_STORE_ARGMAX", 1, 1, 0, 1, 1, 1),
+                   ("W_F16", 0, 2, "IN_RMSNORM_PENDING", "OUT_STORE_ARGMAX", 1, 1, 1, 1, 1, 1)]
 # The fused MLP (mlp.cu: encoding, group, tiles, row tiles, ring depth, wide): every encoding, the
 # shallowest and deepest rings the tuner tries (mlp.CANDIDATES), both row tiles, and 16 warps.
 MLP_INSTANCES = [(e, g, 4, rt, d, w) for e, g in [("W_F16", 0), ("W_Q8", 64), ("W_Q4", 64)] for rt in (1, 2)
@@ -71,8 +82,8 @@ def wrapper(name: str) -> str:
     """Source that includes `name` and instantiates its templates."""
     lines = [f'#include "{name}"']
     if name == "gemv.cu":
-        lines += [f"template __global__ void gemv<{e},{g},{r},{i},{o},{s},{d},{f},{b},{w}>{GEMV_ARGS};"
-                  for e, g, r, i, o, s, d, f, b, w in GEMV_INSTANCES]
+        lines += [f"template __global__ void gemv<{','.join(str(a) for a in instance)}>{GEMV_ARGS};"
+                  for instance in GEMV_INSTANCES]
     if name == "mlp.cu":
         lines += [f"template __global__ void mlp<{e},{g},{t},{r},{d},{w}>{MLP_ARGS};" for e, g, t, r, d, w in MLP_INSTANCES]
     return "\n".join(lines) + "\n"

@@ -8,6 +8,7 @@ is ||gpu - ref|| / ||ref|| <= 1e-3 as for the GEMVs (tests/test_kernels_gpu.py).
 from __future__ import annotations
 
 import zlib
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -106,12 +107,14 @@ def test_gemv_reading_the_pending_sums(cupy_gpu, cc, encoding, input, output, ro
     W x into y and, in fixed point, into pending (y's old value is not read); the output head's
     store_argmax also folds y's argmax into its word.
     Every tuning candidate as the backend runs it (gemv.pending_variant; the staging paths differ by
-    block width)."""
+    block width), and each staggered where it can be (gemv.can_stagger)."""
     cp = cupy_gpu
     rng = np.random.default_rng(zlib.crc32(f"pending{encoding}{input}{output}{rows}".encode()))
     tensor = random_encoded(encoding, (rows, cols), None if encoding == "f16" else 64, rng, 1 / np.sqrt(cols))
     shape = gemv_k.shape_of(tensor, input, output)
-    configs = list(dict.fromkeys(gemv_k.pending_variant(shape, c) for c in gemv_k.configs_for(shape, cc)))
+    alone = gemv_k.configs_for(shape, cc)
+    staggered = [replace(c, staggered=True) for c in alone if gemv_k.can_stagger(shape, replace(c, staggered=True))]
+    configs = list(dict.fromkeys(gemv_k.pending_variant(shape, c) for c in alone + staggered))
     mod = gemv_k.compile_gemvs([(shape, c) for c in configs], cc)
     weights = cp.asarray(device_bytes(tensor, shape))
     for config in configs:
