@@ -479,7 +479,7 @@ class CudaBackend(Backend):
         best, self.tuning_times = autotune.tune(candidates, self.stream, self.wait_launch, self.flush_l2(), self.pdl)
         self._flush = self._flush_buffer = None
         best, self.step_contests = autotune.confirm_in_step(best, self.tuning_times, self.step_us)
-        # Four stages in the step, each over the roles largest matrix first. The depth: the largest
+        # Three stages in the step, each over the roles largest matrix first. The depth: the largest
         # matrix's moves the step most and changes which depths suit the others (on one H200,
         # TinyLlama q4 settled at 483 us per token going wqkv first; gate/up first reached 468); the
         # output head runs once per token, so its depth moves the step by less than the timing noise.
