@@ -268,11 +268,11 @@ class CudaBackend(Backend):
     def compile(self) -> None:
         cc = self.compute_capability
         self.shapes = self.gemv_shapes()
-        every = [(shape, config) for shape in self.shapes.values() for config in gemv_k.all_configs(shape, cc)]
         # The staggered kernels (gemv.cu STAGGER) are made when the tuner reaches them, or when a
         # tuning that chose them is used (GemvModules.module_for): twice the modules here would
         # slow every load.
-        self.gemv_module = gemv_k.GemvModules([(shape, config) for shape, config in every if not config.staggered], cc)
+        self.gemv_module = gemv_k.GemvModules([(shape, config) for shape in self.shapes.values()
+                                               for config in gemv_k.all_configs(shape, cc) if not config.staggered], cc)
         timed_alone = [(shape, config) for shape in self.shapes.values() for config in gemv_k.configs_for(shape, cc)]
         self.attn_module = attn_k.compile_attention(cc, self.attn_plan.cluster)
         self.misc_module = misc_k.compile_misc(cc)
@@ -488,7 +488,7 @@ class CudaBackend(Backend):
         # Llama-2-7B f16's gate/up and down projections and lost on every TinyLlama q4 role.
         by_size = sorted((r for r in roles if r != "output"), key=lambda r: -self.shapes[r].weight_bytes)
         for options_of in (self.depth_options, self.grid_options, self.refill_options):
-            best = self.try_in_step(best, options_of, by_size)
+            best = self.try_in_step(best, {role: options_of(role, best[role]) for role in by_size})
         # Then the contest losers again, each together with the next GEMV's other depths, and every
         # role in wide blocks at once. Then, on the choices that won, the first ring item staggered
         # around the input's round trip (gemv.cu STAGGER; its kernels built here, in parallel).
@@ -497,7 +497,7 @@ class CudaBackend(Backend):
         rivals = {role: self.stagger_options(role, best[role]) for role in by_size + ["output"]}
         build.compile_all(list(dict.fromkeys(self.gemv_module.module_for(gemv_k.name_expression(self.shapes[role], c))
                                              for role, configs in rivals.items() for c in configs)))
-        best = self.try_in_step(best, self.stagger_options, [role for role, configs in rivals.items() if configs])
+        best = self.try_in_step(best, rivals)
         best = self.fusion_contest(best)
         # Last, where the MLP is fused: the GEMVs that then read the fixed-point residual, timed in
         # the fused step (their stages above ran in the unfused one), the output head first.
@@ -645,10 +645,9 @@ class CudaBackend(Backend):
         rival = replace(chosen, refill=not chosen.refill)
         return [rival] if gemv_k.can_refill(self.shapes[role], rival) else []
 
-    def try_in_step(self, best: dict, options_of, roles: list) -> dict:
-        """autotune.variants_in_step over options_of(role, chosen) for `roles` in that order; every
-        timing kept in step_contests."""
-        options = {role: options_of(role, best[role]) for role in roles}
+    def try_in_step(self, best: dict, options: dict) -> dict:
+        """autotune.variants_in_step over options (role -> configurations to try, in role order; roles
+        with none are skipped); every timing kept in step_contests."""
         best, trials = autotune.variants_in_step(best, {r: o for r, o in options.items() if o}, self.step_us)
         for role, times in trials.items():
             self.step_contests[role] = {**self.step_contests.get(role, {}), **times}

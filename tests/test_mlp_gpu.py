@@ -113,7 +113,7 @@ def test_gemv_reading_the_pending_sums(cupy_gpu, cc, encoding, input, output, ro
     tensor = random_encoded(encoding, (rows, cols), None if encoding == "f16" else 64, rng, 1 / np.sqrt(cols))
     shape = gemv_k.shape_of(tensor, input, output)
     alone = gemv_k.configs_for(shape, cc)
-    staggered = [replace(c, staggered=True) for c in alone if gemv_k.can_stagger(shape, replace(c, staggered=True))]
+    staggered = [c for c in (replace(c, staggered=True) for c in alone) if gemv_k.can_stagger(shape, c)]
     configs = list(dict.fromkeys(gemv_k.pending_variant(shape, c) for c in alone + staggered))
     mod = gemv_k.compile_gemvs([(shape, c) for c in configs], cc)
     weights = cp.asarray(device_bytes(tensor, shape))
