@@ -185,15 +185,16 @@ def use_sources(version: str | None) -> None:
     build.module.cache_clear()
 
 
-def step_with(b, version: str) -> list:
-    """The tuned step's launches, with every gemv.cu-based kernel (the tuned GEMVs, the variants that
-    read the fused step's fixed-point residual, the fused MLP) built from `version`'s sources. Leaves
-    b.gemv_module holding the version's GEMVs."""
+def step_with(b, version: str | None, tuning: dict | None = None) -> list:
+    """The step's launches for `tuning` (default: the tuned one), with every gemv.cu-based kernel (the
+    tuned GEMVs, the variants that read the fused step's fixed-point residual, the fused MLP) built
+    from `version`'s sources (None: the package's). Leaves b.gemv_module holding the version's GEMVs."""
+    tuning = b.tuning if tuning is None else tuning
     use_sources(version)
     try:
-        tuned = [(b.shapes[role], config) for role, config in b.tuning.items() if role in b.shapes]
+        tuned = [(b.shapes[role], config) for role, config in tuning.items() if role in b.shapes]
         b.gemv_module = gemv_k.compile_gemvs(tuned, b.compute_capability)
-        return b.build_step(b.tuning)
+        return b.build_step(tuning)
     finally:
         use_sources(None)
 
