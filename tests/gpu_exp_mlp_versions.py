@@ -52,7 +52,6 @@ def compare(paths: list, shape: str, quant: str) -> None:
             first = logits[Path(paths[0]).name]
             print("    logits, max |difference| from the first: "
                   + ", ".join(f"{key} {abs(v - first).max():.3g}" for key, v in logits.items()), flush=True)
-        b.gemv_module = package_module
 
 
 if __name__ == "__main__":
