@@ -720,8 +720,9 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS, 2) attention_rows(
 // 16 bytes and nothing goes through shared memory until the warps merge at the end.
 //
 // Work. Warp w holds, per pass, BLOCKS blocks of 16 rows (PASS_ROWS a block: 256 for head_dim 64,
-// 128 for 128); the first pass's rows below pos are loaded before the PDL wait. Each warp keeps a
-// FlashAttention state per head over its rows; the warps merge through shared memory.
+// 128 for 128); the first pass's rows below pos and the position's RoPE rows are loaded before the
+// PDL wait. Each warp keeps a FlashAttention state per head over its rows; the warps merge through
+// shared memory.
 //
 // Context split (Hopper and newer: the grid is n_kv * S blocks launched in clusters of S along x,
 // S = gridDim.x / n_kv; the backend runs it from attention.py's long_from on). The S blocks of a
@@ -757,6 +758,17 @@ TI_DEVICE u32 transpose8x8(u32 v) {
 
 TI_DEVICE u32 word_of(const uint4& v, int i) {
     return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
+}
+
+// Dims 8 t + 32 i .. + 7 (i < PIECES / 2) of one row of a RoPE table (cos or sin of one position),
+// which the backend writes once: read-only for the kernel's life, so they may load before the PDL wait.
+template <int PIECES>
+TI_DEVICE void load_rope_row(const float* row, int t, float (&out)[PIECES / 2][8]) {
+#pragma unroll
+    for (int i = 0; i < PIECES / 2; ++i) {
+        const float4* p = reinterpret_cast<const float4*>(row + 32 * i + 8 * t);
+        unpack8(__ldg(p), __ldg(p + 1), out[i]);
+    }
 }
 
 // Dims 32 i + 8 t + e (e < 8) of one head's vector x after rotate-half RoPE with the tables of one
@@ -838,13 +850,20 @@ TI_DEVICE void attention_mma_body(const float* __restrict__ qkv, __half* __restr
     // without the split; else all S meet in the merge (every block of a cluster calls its barriers).
     const int active = min(S, (len + WARP_ROWS - 1) / WARP_ROWS);
     if (active == 1 && slice > 0) return;
+    // The position's RoPE rows, before the wait too: after it, only this step's q, k and v are read.
+    // H200, one process and tuning, rounds alternated, against the rows read after the wait
+    // (BENCHMARKS.md s33, three calls): TinyLlama f16 -0.2 to -1.0% per token, TinyLlama q4 -0.05 to
+    // -0.8%, Llama-2-7B q4 -0.1 to -0.2%.
+    float c[PIECES / 2][8], s[PIECES / 2][8];
+    load_rope_row<PIECES>(rope_cos + (size_t)pos * (HD / 2), t, c);
+    load_rope_row<PIECES>(rope_sin + (size_t)pos * (HD / 2), t, s);
     if (active > 1) cluster_arrive_relaxed();                 // pairs with the wait before the merge's stores
     if (last_loaded != (int)0x80000000) pdl_wait();
     TI_MARK(1);
 
-    // This step's q (head g; zero rows for heads past the group), k and v, and the RoPE tables:
-    // every load first, one round trip.
-    float q[PIECES][8], k[PIECES][8], v[PIECES][8], c[PIECES / 2][8], s[PIECES / 2][8];
+    // This step's q (head g; zero rows for heads past the group), k and v: every load first, one
+    // round trip.
+    float q[PIECES][8], k[PIECES][8], v[PIECES][8];
     const float* q_head = qkv + (size_t)(kvh * group + min(g, group - 1)) * HD + 8 * t;
     const float* k_now = qkv + (size_t)(n_heads + kvh) * HD + 8 * t;
     const float* v_now = qkv + (size_t)(n_heads + n_kv + kvh) * HD + 8 * t;
@@ -853,11 +872,6 @@ TI_DEVICE void attention_mma_body(const float* __restrict__ qkv, __half* __restr
         load8_activation(q_head + 32 * i, q[i]);
         load8_activation(k_now + 32 * i, k[i]);
         load8_activation(v_now + 32 * i, v[i]);
-    }
-#pragma unroll
-    for (int i = 0; i < PIECES / 2; ++i) {
-        load8_activation(rope_cos + (size_t)pos * (HD / 2) + 32 * i + 8 * t, c[i]);
-        load8_activation(rope_sin + (size_t)pos * (HD / 2) + 32 * i + 8 * t, s[i]);
     }
     float rotated[PIECES][8];
     uint4 k_new[PIECES], v_new[PIECES];

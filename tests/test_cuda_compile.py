@@ -197,7 +197,8 @@ def test_attention_loads_cached_rows_before_the_pdl_wait(kernel_dir, function):
     addresses depended on the position (loaded first) or when it could predicate them, silently:
     the kernel stayed correct, only slower. So the machine code must show every first-pass load
     (K and V: ATT_ROW_REGS rows each for attention_rows; for attention_mma 2 tiles of 8 rows per
-    16-row block, 128 / head_dim blocks, head_dim / 32 pieces of each row per lane) before the wait."""
+    16-row block, 128 / head_dim blocks, head_dim / 32 pieces of each row per lane, and the position's
+    two RoPE rows, head_dim / 64 pieces of 8 floats per lane each, two loads a piece) before the wait."""
     source = kernel_dir / f"check_{function}.cu"
     source.write_text(wrapper("attention.cu"))
     cubin = kernel_dir / f"{function}.cubin"
@@ -205,12 +206,14 @@ def test_attention_loads_cached_rows_before_the_pdl_wait(kernel_dir, function):
                    check=True, capture_output=True, timeout=600)
     sass = subprocess.run([CUOBJDUMP, "-sass", str(cubin)], check=True, capture_output=True, text=True).stdout
     loads, waits = loads_before_wait(sass)[function]
+    rope = 0
     if function == "attention_rows":
         per_kind = int(re.search(r"#define ATT_ROW_REGS (\d+)", source_text("attention.cu")).group(1))
     else:
         head_dim = int(function.removeprefix("attention_mma"))
         per_kind = 2 * (128 // head_dim) * (head_dim // 32)
-    assert waits and loads.count("LDG.E.128.CONSTANT") == 2 * per_kind, loads
+        rope = 2 * 2 * (head_dim // 64)
+    assert waits and loads.count("LDG.E.128.CONSTANT") == 2 * per_kind + rope, loads
 
 
 def nvrtc_and_headers():
