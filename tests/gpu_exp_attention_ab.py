@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_exp_chain import edited_attention, random_backend, timed_in_turn  # noqa: E402
+from gpu_exp_chain import edited_attention, print_in_turn, random_backend, timed_in_turn  # noqa: E402
 
 ROUNDS = 4
 ROPE_EARLY = """    float c[PIECES / 2][8], s[PIECES / 2][8];
@@ -77,12 +77,7 @@ def compare(shape: str, quant: str) -> None:
             first = logits if first is None else first
             print(f"  {label}: logits max |diff| against main {float(np.abs(logits - first).max()):.3g}", flush=True)
         b.attn_module = package
-        times = timed_in_turn(b, prompt, steps, ROUNDS)
-        base = sorted(times["main"])[ROUNDS // 2]
-        for label, t in times.items():
-            median = sorted(t)[len(t) // 2]
-            print(f"  {label}: {min(t):.1f}-{max(t):.1f} us, median {median:.1f} ({1e6 / median:.0f} tok/s, "
-                  f"{(median / base - 1) * 100:+.2f}%)", flush=True)
+        print_in_turn(timed_in_turn(b, prompt, steps, ROUNDS))
 
 
 if __name__ == "__main__":

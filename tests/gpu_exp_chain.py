@@ -83,6 +83,16 @@ def timed_in_turn(backend, prompt, steps: dict, rounds: int) -> dict:
     return times
 
 
+def print_in_turn(times: dict, name=str) -> None:
+    """For timed_in_turn's result: each step's range, median and tok/s, and the change of its median
+    from the first step's; name(key) labels it."""
+    median = {key: sorted(t)[len(t) // 2] for key, t in times.items()}
+    base = median[next(iter(times))]
+    for key, t in times.items():
+        print(f"  {name(key)}: {min(t):.1f}-{max(t):.1f} us, median {median[key]:.1f} "
+              f"({1e6 / median[key]:.0f} tok/s, {(median[key] / base - 1) * 100:+.2f}%)", flush=True)
+
+
 def null_chain_us(backend, prompt, n_kernels, blocks, threads) -> float:
     kernel = cp.RawModule(code=NULL_SRC, options=("-arch=sm_90a",)).get_function("null_step")
     out = cp.zeros(blocks, cp.float32)

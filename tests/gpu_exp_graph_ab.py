@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_exp_chain import random_backend, step_with, timed_in_turn  # noqa: E402
+from gpu_exp_chain import print_in_turn, random_backend, step_with, timed_in_turn  # noqa: E402
 
 ROUNDS = 4
 
@@ -22,12 +22,7 @@ def compare(paths: list, shape: str, quant: str) -> None:
         package_module = b.gemv_module
         steps = {path: step_with(b, path) for path in paths}
         b.gemv_module = package_module
-        times = timed_in_turn(b, prompt, steps, ROUNDS)
-        median = {path: sorted(t)[len(t) // 2] for path, t in times.items()}
-        base = median[paths[0]]
-        for path, t in times.items():
-            print(f"  {Path(path).name}: {min(t):.1f}-{max(t):.1f} us, median {median[path]:.1f} "
-                  f"({1e6 / median[path]:.0f} tok/s, {(median[path] / base - 1) * 100:+.2f}%)", flush=True)
+        print_in_turn(timed_in_turn(b, prompt, steps, ROUNDS), lambda path: Path(path).name)
 
 
 if __name__ == "__main__":
