@@ -135,6 +135,8 @@ class CudaBackend(Backend):
         self.n_heads, self.n_kv, self.head_dim, self.ffn = c["n_heads"], c["n_kv_heads"], c["head_dim"], c["ffn_dim"]
         self.inspect_device()
         check_encodings(tinf_file)
+        if c.get("qkv_bias") or c.get("sliding_window"):
+            raise DeviceError("The CUDA kernels do not run Q/K/V biases or a sliding window yet; run with --device cpu.")
         try:
             attn_k.check_shape(self.n_heads, self.n_kv, self.head_dim)      # at MAX_THREADS
         except ValueError as e:

@@ -86,7 +86,8 @@ def test_metadata(tmp_path):
     assert meta["config"] == {
         "architecture": "llama", "dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "head_dim": 16,
         "ffn_dim": 96, "vocab_size": 256, "norm_eps": 1e-5, "rope_theta": 10000.0,
-        "rope_scaling": {"rope_type": "linear", "factor": 2.0}, "max_context": 256, "tied_embeddings": False}
+        "rope_scaling": {"rope_type": "linear", "factor": 2.0}, "max_context": 256, "tied_embeddings": False,
+        "qkv_bias": False, "sliding_window": None}
     tok = meta["tokenizer"]
     assert tok["kind"] == "hf-json" and tok["tokenizer_json"] == (src / "tokenizer.json").read_text()
     assert tok["tokenizer_model"] is None and tok["bos_id"] == 1 and tok["add_bos"] is True
@@ -118,11 +119,36 @@ def test_llama3_rope_gqa_and_chat_template_file(tmp_path):
         assert f.metadata["tokenizer"]["eos_ids"] == [2, 3, 4]
 
 
-def test_mistral_without_sliding_window(tmp_path):
+@pytest.mark.parametrize("overrides,window", [
+    ({"model_type": "mistral", "sliding_window": None}, None),
+    ({"model_type": "mistral", "sliding_window": 32}, 32),
+    ({"model_type": "mistral"}, None),                          # transformers' default 4096: beyond the context
+    ({"model_type": "mistral", "sliding_window": 128}, None),   # as long as the context: no window
+    ({"model_type": "llama", "sliding_window": 32}, None),      # Llama has none
+])
+def test_sliding_window_as_transformers_reads_it(tmp_path, overrides, window):
     src = tmp_path / "ckpt"
-    write_hf_llama(src, model_type="mistral", sliding_window=None, architectures=["MistralForCausalLM"])
+    write_hf_llama(src, **overrides)
     with open_tinf(convert(src, tmp_path / "m.tinf")) as f:
-        assert f.config["architecture"] == "llama"
+        assert f.config["architecture"] == "llama" and f.config["qkv_bias"] is False
+        assert f.config["sliding_window"] == window
+
+
+@pytest.mark.parametrize("overrides,window", [
+    ({}, None),
+    ({"sliding_window": 32}, None),                                       # used only with use_sliding_window
+    ({"use_sliding_window": True, "sliding_window": 32, "max_window_layers": 0}, 32),
+    ({"use_sliding_window": True, "sliding_window": 32, "max_window_layers": 2}, None),   # no layer has it
+])
+def test_qwen2_biases_and_window(tmp_path, overrides, window):
+    src = tmp_path / "ckpt"
+    weights = write_hf_llama(src, model_type="qwen2", tied=True, **overrides)
+    out = convert(src, tmp_path / "m.tinf", quant="q8")
+    with open_tinf(out) as f:
+        assert f.config["qkv_bias"] is True and f.config["sliding_window"] == window
+        assert f.names.index("layers.0.bqkv") == f.names.index("layers.0.wqkv") + 1
+        assert f.info("layers.1.bqkv").encoding == "f32" and f.info("layers.1.bqkv").shape == (128,)
+    assert_tinf_matches(out, expected_tensors(weights, {"n_layers": 2}))
 
 
 def test_default_output_name(tmp_path, monkeypatch):
@@ -238,8 +264,11 @@ BAD_INPUTS = {
     "architecture": (break_config(model_type="gpt_neox"), "model_type 'gpt_neox' is not supported", {}),
     "rope scaling": (break_config(rope_scaling={"rope_type": "yarn", "factor": 4.0}), "'yarn' is not supported", {}),
     "attention bias": (break_config(attention_bias=True), "attention_bias=true is not supported", {}),
+    "mlp bias": (break_config(mlp_bias=True), "mlp_bias=true is not supported", {}),
     "activation": (break_config(hidden_act="gelu"), "hidden_act 'gelu'", {}),
-    "sliding window": (break_config(model_type="mistral", sliding_window=64), "sliding-window", {}),
+    "mixed windows": (break_config(model_type="qwen2", use_sliding_window=True, sliding_window=16, max_window_layers=1),
+                      "some layers use a sliding window and others full attention", {}),
+    "bad window": (break_config(model_type="mistral", sliding_window=0), "sliding_window 0 is not a positive", {}),
     "quantized": (break_config(quantization_config={"quant_method": "gptq"}), "already-quantized", {}),
     "shape": (break_config(intermediate_size=100), "has shape [96, 64] where the config implies [100, 64]", {}),
     "missing tensor": (drop_tensor("model.layers.1.mlp.up_proj.weight"), "tensor model.layers.1.mlp.up_proj.weight is missing", {}),
