@@ -2,7 +2,7 @@
 the shared stories260K-hf folder, refused inputs, the CLI and the Hub download logic."""
 
 import json
-import shutil
+import os
 from pathlib import Path
 
 import numpy as np
@@ -11,6 +11,7 @@ from click.testing import CliRunner
 
 from checkpoints import (TINYLLAMA, assert_tinf_matches, fused_source, tinf_logits,  # noqa: E402
                          write_hf_llama)
+from fake_hub import SnapshotDownload  # noqa: E402
 
 from tinyinfer.convert import ConvertError, convert_checkpoint  # noqa: E402
 from tinyinfer.convert import hub, pipeline  # noqa: E402
@@ -302,6 +303,10 @@ SHARDED_BAD = {
     "path outside": (edit_index(lambda m: m.update({"model.norm.weight": "../elsewhere.safetensors"})),
                      "names shard '../elsewhere.safetensors', which is not a .safetensors file inside"),
     "absolute path": (edit_index(lambda m: m.update({"model.norm.weight": "/etc/passwd"})), "names shard '/etc/passwd'"),
+    "dot-dot name": (edit_index(lambda m: m.update({"model.norm.weight": "sub/../model-00003-of-00003.safetensors"})),
+                     "names shard 'sub/../model-00003-of-00003.safetensors'"),
+    "backslash dot-dot": (edit_index(lambda m: m.update({"model.norm.weight": "..\\elsewhere.safetensors"})),
+                          "which is not a .safetensors file inside"),
     "tensor in wrong shard": (edit_index(lambda m: m.update({"model.norm.weight": "model-00001-of-00003.safetensors"})),
                               "which does not contain it"),
     "tensor not in index": (edit_index(lambda m: m.pop("lm_head.weight")), "tensor lm_head.weight is missing"),
@@ -386,25 +391,6 @@ def test_cli_error_is_one_line(tmp_path):
 # ---------------------------------------------------------------------------------------------- Hub
 
 
-class FakeHub:
-    """Stands in for huggingface_hub.snapshot_download: serves a local folder as a repo, records
-    which files were asked for, and materialises them in a snapshot folder named by a commit."""
-
-    COMMIT = "0123456789abcdef0123456789abcdef01234567"
-
-    def __init__(self, remote: Path, cache: Path):
-        self.remote, self.cache, self.calls = remote, cache, []
-
-    def __call__(self, repo_id, revision=None, token=None, allow_patterns=None, **kwargs):
-        self.calls.append({"repo_id": repo_id, "revision": revision, "token": token, "patterns": list(allow_patterns)})
-        snapshot = self.cache / self.COMMIT
-        snapshot.mkdir(parents=True, exist_ok=True)
-        for path in self.remote.iterdir():
-            if path.name in allow_patterns:
-                shutil.copy(path, snapshot / path.name)
-        return str(snapshot)
-
-
 @pytest.fixture
 def fake_hub(tmp_path, monkeypatch):
     import huggingface_hub
@@ -413,25 +399,53 @@ def fake_hub(tmp_path, monkeypatch):
     write_hf_llama(remote, shards=2)
     (remote / "pytorch_model.bin").write_bytes(b"not needed")
     (remote / "consolidated.safetensors").write_bytes(b"not needed either")
-    fake = FakeHub(remote, tmp_path / "cache")
+    fake = SnapshotDownload(remote, tmp_path / "cache")
     monkeypatch.setattr(huggingface_hub, "snapshot_download", fake)
     return fake
 
 
 def test_hub_downloads_only_needed_files(tmp_path, fake_hub, monkeypatch):
+    """A sharded checkpoint laid out as the Hub cache does (every shard a relative link into
+    ../../blobs/) converts, and only the shards the index names are fetched, at the metadata's commit."""
     monkeypatch.chdir(tmp_path)
     out = convert_checkpoint("someone/tiny-llama", revision="main", token="hf_x", progress=False)
     assert out == Path("tiny-llama-q4.tinf")
     metadata_call, weights_call = fake_hub.calls
     assert metadata_call["revision"] == "main" and metadata_call["token"] == "hf_x"
     assert not any(p.endswith(".safetensors") for p in metadata_call["patterns"])
-    assert weights_call["revision"] == FakeHub.COMMIT      # weights pinned to the metadata's commit
+    assert weights_call["revision"] == SnapshotDownload.COMMIT      # weights pinned to the metadata's commit
     assert sorted(weights_call["patterns"]) == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
-    downloaded = {p.name for p in (fake_hub.cache / FakeHub.COMMIT).iterdir()}
+    snapshot = fake_hub.cache / "models--someone--tiny-llama" / "snapshots" / SnapshotDownload.COMMIT
+    downloaded = {p.name for p in snapshot.iterdir()}
     assert "pytorch_model.bin" not in downloaded and "consolidated.safetensors" not in downloaded
+    shard = snapshot / "model-00001-of-00002.safetensors"
+    assert shard.is_symlink() and Path(os.readlink(shard)).parts[:2] == ("..", "..")
     with open_tinf(out) as f:
         assert f.metadata["provenance"]["source"] == "someone/tiny-llama"
-        assert f.metadata["provenance"]["revision"] == FakeHub.COMMIT
+        assert f.metadata["provenance"]["revision"] == SnapshotDownload.COMMIT
+
+
+def test_sharded_checkpoint_through_the_real_hub_client(tmp_path):
+    """tinyconvert ORG/REPO in a subprocess, huggingface_hub itself downloading from the FakeHub on
+    127.0.0.1 into a fresh HF_HOME: its cache holds the shards as links into ../../blobs/, and they
+    convert to the checkpoint's tensors."""
+    import subprocess
+    import sys
+
+    from fake_hub import FakeHub, hub_env
+
+    remote = tmp_path / "remote"
+    weights = write_hf_llama(remote, shards=3, dtype="f32")
+    with FakeHub() as server:
+        commit = server.add_repo("org/sharded", {p.name: p.read_bytes() for p in remote.iterdir()})
+        proc = subprocess.run([sys.executable, "-m", "tinyinfer.convert.cli", "org/sharded", "-o", "m.tinf",
+                               "--quant", "f16"], cwd=tmp_path, env=hub_env(tmp_path / "hf", server.url),
+                              capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    snapshot = tmp_path / "hf" / "hub" / "models--org--sharded" / "snapshots" / commit
+    shards = sorted(snapshot.glob("*.safetensors"))
+    assert len(shards) == 3 and all(p.is_symlink() and os.readlink(p).startswith("../../blobs/") for p in shards)
+    assert_tinf_matches(tmp_path / "m.tinf", expected_tensors(weights, {"n_layers": 2}))
 
 
 def test_hub_config_refused_before_weights_are_fetched(tmp_path, fake_hub):
