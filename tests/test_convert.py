@@ -481,16 +481,13 @@ def test_repo_id_detection():
     assert not hub.looks_like_repo_id("a/b/c") and not hub.looks_like_repo_id("../x")
 
 
-def test_add_bos_defaults_to_what_the_post_processor_does(tmp_path):
-    """Without add_bos_token in tokenizer_config.json, BOS is added only if tokenizer.json's template adds one."""
-    import json
-
-    from tinyinfer.convert.tokenizer_files import default_add_bos
+def test_add_bos_defaults_to_what_the_post_processor_does():
+    """Without add_bos_token or add_eos_token in tokenizer_config.json, BOS is added only if
+    tokenizer.json's template adds one; with either, exactly when add_bos_token is true (transformers)."""
+    from tinyinfer.convert.tokenizer_files import adds_bos, default_add_bos
 
     def tokenizer_json(post_processor):
-        path = tmp_path / "tokenizer.json"
-        path.write_text(json.dumps({"post_processor": post_processor}))
-        return path
+        return json.dumps({"post_processor": post_processor})
 
     llama = {"type": "TemplateProcessing", "single": [{"SpecialToken": {"id": "<s>"}}, {"Sequence": {"id": "A"}}]}
     qwen = {"type": "ByteLevel"}
@@ -498,4 +495,7 @@ def test_add_bos_defaults_to_what_the_post_processor_does(tmp_path):
     assert default_add_bos(tokenizer_json({"type": "Sequence", "processors": [qwen, llama]})) is True
     assert default_add_bos(tokenizer_json(qwen)) is False
     assert default_add_bos(tokenizer_json(None)) is False
-    assert default_add_bos(tmp_path / "absent.json") is True   # bare sentencepiece model
+    assert default_add_bos(None) is True   # bare sentencepiece model
+    assert adds_bos({"add_bos_token": False}, tokenizer_json(llama)) is False
+    assert adds_bos({"add_eos_token": True}, tokenizer_json(llama)) is False
+    assert adds_bos({"add_bos_token": True}, tokenizer_json(qwen)) is True
