@@ -225,7 +225,7 @@ TI_DEVICE long long to_pending(float v) {
 }
 
 // v[i] = pending[i] for eight values (16-byte aligned), after the PDL wait: plain loads, as x (the
-// GEMV readers cost twice as much with ld.global.cg, s17), or coherent ones where a plain load
+// GEMV readers cost twice as much with ld.global.cg), or coherent ones where a plain load
 // could be moved above the wait (load_activation4).
 TI_DEVICE void load_pending8(const long long* pending, float (&v)[8], bool coherent) {
     const longlong2* p = reinterpret_cast<const longlong2*>(pending);
