@@ -55,7 +55,7 @@ def compile_options(compute_capability: int) -> tuple:
     if compute_capability == 90:
         options += ("-arch=sm_90a",)   # Hopper's own target (checked on an H200 with CuPy 14.2)
     if os.environ.get("TINYINFER_TIMELINE") == "1":
-        options += ("-DTI_TIMELINE",)  # per-block timestamps for tests/gpu_timeline.py (common.cuh)
+        options += ("-DTI_TIMELINE",)  # per-block timestamps for tests/perf/timeline.py (common.cuh)
     return options
 
 

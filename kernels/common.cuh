@@ -361,7 +361,7 @@ TI_DEVICE u64 warp_max_u64(u64 v) {
 #define STATE_SIZE 4
 
 // Decode timeline: a diagnostic compiled in only with -DTI_TIMELINE (TINYINFER_TIMELINE=1 at load;
-// read by tests/gpu_timeline.py). Thread 0 of every block writes one record of TI_TIMELINE_WORDS
+// read by tests/perf/timeline.py). Thread 0 of every block writes one record of TI_TIMELINE_WORDS
 // u64: the launch (%gridid), (SM << 32 | linear block index), then the global timer (ns) at
 // TI_MARKS marks and the SM's clock at the same marks. Mark 0 is the block's start, 1 the return
 // from pdl_wait, the last one its end; the kernels place the others (see their TI_MARK calls,
