@@ -22,7 +22,8 @@ from tinyinfer.convert.errors import ConvertError
 from tinyinfer.convert.hf import HfCheckpoint, read_hf_config, readme_license, tinf_config
 from tinyinfer.convert.llama2c import Llama2cCheckpoint
 from tinyinfer.convert.tokenizer_files import check_tokenizer, hf_tokenizer, sentencepiece_tokenizer
-from tinyinfer.formats import TensorSpec, TinfWriter, encode
+from tinyinfer.formats import TensorSpec, TinfWriter, encode, open_tinf
+from tinyinfer.formats.stats import file_weight_stats
 from tinyinfer.formats.version import tinyinfer_version
 
 QUANTS = ("q4", "q8", "f16")
@@ -57,7 +58,7 @@ def convert_checkpoint(source, out=None, quant="q4", group_size=64, head=None, s
     metadata = build_metadata(model, str(source), quant, group_size, scale_search)
     write_tensors(out, metadata, specs, model.checkpoint, group_size, scale_search, progress)
     if progress:
-        print(summary(out, model.checkpoint.n_params, time.perf_counter() - started), file=sys.stderr)
+        print(summary(out, time.perf_counter() - started), file=sys.stderr)
     return out
 
 
@@ -199,7 +200,8 @@ def check_values(spec: TensorSpec, weights: np.ndarray) -> None:
                            f"{spec.encoding} range of {limit:.6g}; {fix}.")
 
 
-def summary(out: Path, n_params: int, seconds: float) -> str:
-    size = out.stat().st_size
-    return (f"wrote {out}: {n_params / 1e6:.2f}M parameters, {size / 2**20:.1f} MiB, "
-            f"{8 * size / n_params:.2f} bits/weight, {seconds:.1f} s")
+def summary(out: Path, seconds: float) -> str:
+    """The line tinyconvert ends with; the counts are those `tinyrun info` and the model card give."""
+    with open_tinf(out) as f:
+        stats = file_weight_stats(f)
+    return f"wrote {out}: {stats.summary()}, {out.stat().st_size / 2**20:.1f} MiB, {seconds:.1f} s"

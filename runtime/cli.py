@@ -171,6 +171,7 @@ def info_command(model, tensors, check, token):
 
 
 def describe(f, per_tensor: bool = False) -> str:
+    from tinyinfer.formats.stats import weight_stats
     from tinyinfer.runtime.tokenizer import Tokenizer
 
     meta, c = f.metadata, f.config
@@ -188,22 +189,14 @@ def describe(f, per_tensor: bool = False) -> str:
     for name, group in group_tensors(infos, per_tensor).items():
         i = group[0]
         enc = i.encoding + (f" g{i.group}" if i.group else "")
-        n_bytes = sum(g.nbytes for g in group)
-        n_weights = sum(weights(g) for g in group)
-        lines.append(f"{name:<22} {enc:<9} {str(list(i.shape)):<16} {len(group):>5} {n_bytes / 2**20:>9.2f} "
-                     f"{8 * n_bytes / n_weights:>7.2f}")
-    all_bytes, all_weights = sum(i.nbytes for i in infos), sum(weights(i) for i in infos)
-    lines.append(f"{'total':<22} {'':<9} {'':<16} {len(infos):>5} {all_bytes / 2**20:>9.2f} "
-                 f"{8 * all_bytes / all_weights:>7.2f}")
-    lines.append(f"{all_weights / 1e6:.2f} M weights, {8 * all_bytes / all_weights:.2f} bits per weight overall")
+        row = weight_stats(group)
+        lines.append(f"{name:<22} {enc:<9} {str(list(i.shape)):<16} {len(group):>5} {row.n_bytes / 2**20:>9.2f} "
+                     f"{row.bits_per_weight:>7.2f}")
+    stats = weight_stats(infos)
+    lines.append(f"{'total':<22} {'':<9} {'':<16} {len(infos):>5} {stats.n_bytes / 2**20:>9.2f} "
+                 f"{stats.bits_per_weight:>7.2f}")
+    lines.append(stats.summary())
     return "\n".join(lines)
-
-
-def weights(info) -> int:
-    n = 1
-    for d in info.shape:
-        n *= d
-    return n
 
 
 def group_tensors(infos, per_tensor: bool) -> dict:
