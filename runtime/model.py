@@ -183,7 +183,8 @@ class Model:
         if n_prompt + max_tokens > self.max_context:
             raise ContextOverflowError(
                 f"The prompt ({n_prompt} tokens) plus {max_tokens} new tokens exceeds the model's context of "
-                f"{self.max_context} tokens; shorten the prompt or ask for fewer tokens.")
+                f"{self.max_context} tokens; shorten the prompt or ask for fewer tokens.",
+                prompt_tokens=n_prompt, new_tokens=max_tokens, context=self.max_context)
         return max_tokens
 
     def generate(self, prompt, *, chat: bool | None = None, system: str | None = None,
@@ -226,6 +227,7 @@ class Model:
         if reuse == 0:
             self.backend.reset()
         self.cached_ids, generated = [], []
+        known = None   # what the cache holds when that is not "ids and every token handed out but the last"
         try:
             for token in self.backend.generate_ids(ids[reuse:], reuse, params, n_new, rng):
                 if not generated:
@@ -247,13 +249,21 @@ class Model:
                 yield tail
         except GeneratorExit:     # the caller stopped reading: the cache is still consistent
             raise
+        except KeyboardInterrupt:
+            # Ctrl-C inside the backend: a token is handed out only after the one before it was fed
+            # back, so the rule below holds once a token came; before that, the prompt's prefill may be
+            # half done, and only the reused prefix (positions it never writes) is known.
+            stats["stop_reason"] = "interrupted"
+            if not generated:
+                known = list(ids[:reuse])
+            raise
         except BaseException:
-            generated = None     # the cache state is unknown: the next call starts from scratch
+            known = []           # the cache state is unknown: the next call starts from scratch
             raise
         finally:
             stats["total_s"] = time.perf_counter() - start
             # Every generated token but the last was fed back through the model.
-            self.cached_ids = list(ids) + generated[:-1] if generated is not None else []
+            self.cached_ids = list(ids) + generated[:-1] if known is None else known
 
     def close(self) -> None:
         self.backend.close()
