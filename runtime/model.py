@@ -19,15 +19,18 @@ NO_GPU = ("No CUDA GPU is available; install tinyinfer[cuda12] or [cuda13] on a 
           "NVIDIA GPU, or run with --device cpu.")
 
 
-def load(path, device: str = "auto", verbose: bool = False, max_context: int | None = None) -> "Model":
-    """Memory-map and validate a .tinf file and pick a backend: "cuda", "cpu", or "auto" (CUDA if usable)."""
+def load(path, device: str = "auto", verbose: bool = False, max_context: int | None = None,
+         weight_cache_bytes: int | None = None) -> "Model":
+    """Memory-map and validate a .tinf file and pick a backend: "cuda", "cpu", or "auto" (CUDA if usable).
+
+    weight_cache_bytes: the CPU backend's memory for float32 weights (default: from the memory available)."""
     path = Path(path).expanduser()
     if path.is_dir():
         raise LoadError(f"{path} is a folder; pass a .tinf file (convert a checkpoint folder with tinyconvert).")
     tinf = open_tinf(path)
     check_model(tinf)
     tokenizer = Tokenizer.from_metadata(tinf.metadata["tokenizer"])
-    backend = make_backend(tinf, device, verbose, max_context)
+    backend = make_backend(tinf, device, verbose, max_context, weight_cache_bytes)
     return Model(tinf, backend, tokenizer)
 
 
@@ -77,7 +80,7 @@ def cuda_backend_class():
     return CudaBackend, None
 
 
-def make_backend(tinf, device: str, verbose: bool, max_context: int | None):
+def make_backend(tinf, device: str, verbose: bool, max_context: int | None, weight_cache_bytes: int | None = None):
     if device not in ("auto", "cpu", "cuda"):
         raise DeviceError(f"Unknown device {device!r}; use auto, cpu or cuda.")
     if device in ("auto", "cuda"):
@@ -88,7 +91,7 @@ def make_backend(tinf, device: str, verbose: bool, max_context: int | None):
             raise DeviceError(why_not)
     from tinyinfer.runtime.numpy_backend import NumpyBackend
 
-    return NumpyBackend(tinf, verbose=verbose, max_context=max_context)
+    return NumpyBackend(tinf, verbose=verbose, max_context=max_context, weight_cache_bytes=weight_cache_bytes)
 
 
 class StopStrings:
