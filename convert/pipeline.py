@@ -24,7 +24,7 @@ from tinyinfer.convert.llama2c import Llama2cCheckpoint
 from tinyinfer.convert.tokenizer_files import check_tokenizer, hf_tokenizer, sentencepiece_tokenizer
 from tinyinfer.formats import TensorSpec, TinfWriter, encode, open_tinf
 from tinyinfer.formats.stats import file_weight_stats
-from tinyinfer.formats.tinf import MAGIC
+from tinyinfer.formats.tinf import is_tinf_file
 from tinyinfer.formats.version import tinyinfer_version
 
 QUANTS = ("q4", "q8", "f16")
@@ -117,7 +117,7 @@ def open_hub(repo_id: str, revision, token, progress) -> Source:
 def open_llama2c(path: Path, tokenizer) -> Source:
     if path.suffix == ".safetensors" or path.name == "config.json":
         raise ConvertError(f"{path} is part of a Hugging Face checkpoint; pass the folder that holds it.")
-    if is_tinf(path):
+    if is_tinf_file(path):
         raise ConvertError(f"{path} is already a .tinf file, ready to run with `tinyrun {path}`; to change "
                            f"its quantization, convert the original checkpoint again.")
     if tokenizer is None:
@@ -127,11 +127,6 @@ def open_llama2c(path: Path, tokenizer) -> Source:
     tokenizer_meta = sentencepiece_tokenizer(Path(tokenizer).expanduser())
     check_tokenizer(tokenizer_meta, checkpoint.config["vocab_size"])
     return Source(checkpoint, tokenizer_meta)
-
-
-def is_tinf(path: Path) -> bool:
-    with open(path, "rb") as f:
-        return f.read(len(MAGIC)) == MAGIC
 
 
 def tinf_shapes(config: dict) -> dict[str, tuple[int, ...]]:

@@ -8,6 +8,7 @@ the format tests check.
 from __future__ import annotations
 
 import math
+import sys
 
 import numpy as np
 
@@ -27,6 +28,7 @@ KV_CACHE_MIN_POSITIONS = 256   # first allocation; the cache then doubles as pos
 # weights at about this rate, and dequantizing an uncached weight produces float32 bytes at this one.
 CPU_READ_BYTES_PER_S = 12e9
 CPU_DEQUANT_BYTES_PER_S = 1.2e9
+CPU_STEP_SECONDS, CPU_LAYER_SECONDS = 100e-6, 150e-6    # Python's share of a step, which small models feel
 PROGRESS_MIN_BYTES = 256 << 20     # show a progress bar while caching more than this
 
 
@@ -50,6 +52,14 @@ def default_cache_budget(kv_cache_bytes: int) -> int:
     return max(0, int(available * BUDGET_SHARE) - BUDGET_HEADROOM_BYTES - kv_cache_bytes)
 
 
+def blas_threads() -> int | str:
+    """The thread count of NumPy's BLAS (threadpoolctl sees it; tinyrun -t sets it)."""
+    from threadpoolctl import threadpool_info
+
+    counts = [pool["num_threads"] for pool in threadpool_info() if pool.get("user_api") == "blas"]
+    return counts[0] if counts else "?"
+
+
 class NumpyBackend(Backend):
     def __init__(self, tinf_file, verbose: bool = False, max_context: int | None = None,
                  weight_cache_bytes: int | None = None):
@@ -67,9 +77,11 @@ class NumpyBackend(Backend):
         self.dequantized: dict[str, np.ndarray] = {}
         self.dequantize_cached()
         if verbose:
-            print(f"numpy backend: {len(tinf_file.names)} tensors, {self.float32_bytes() / 2**20:.0f} MiB as "
-                  f"float32, {self.cached_bytes() / 2**20:.0f} MiB of it cached (budget "
-                  f"{self.cache_budget / 2**20:.0f} MiB), the rest dequantized per use")
+            rest = self.float32_bytes() - self.cached_bytes()
+            print(f"numpy backend: {len(tinf_file.names)} tensors, {self.float32_bytes() / 2**20:.0f} MiB as float32, "
+                  f"{self.cached_bytes() / 2**20:.0f} MiB cached (budget {self.cache_budget / 2**20:.0f} MiB)"
+                  + (f", {rest / 2**20:.0f} MiB dequantized per use" if rest else "")
+                  + f", {blas_threads()} BLAS threads", file=sys.stderr)
 
     # ------------------------------------------------------------------------------ weights
 
@@ -118,10 +130,12 @@ class NumpyBackend(Backend):
         return rows.to_float32()
 
     def expected_tokens_per_s(self) -> float:
-        """A rough decode speed: cached weights read at CPU_READ_BYTES_PER_S, the rest dequantized."""
+        """A rough decode speed: cached weights read at CPU_READ_BYTES_PER_S, the rest dequantized, and
+        the interpreter's time per step."""
         cached = self.cached_bytes()
-        seconds = cached / CPU_READ_BYTES_PER_S + (self.float32_bytes() - cached) / CPU_DEQUANT_BYTES_PER_S
-        return 1 / seconds if seconds else float("inf")
+        seconds = (cached / CPU_READ_BYTES_PER_S + (self.float32_bytes() - cached) / CPU_DEQUANT_BYTES_PER_S
+                   + CPU_STEP_SECONDS + CPU_LAYER_SECONDS * self.config["n_layers"])
+        return 1 / seconds
 
     # ------------------------------------------------------------------------------ forward
 

@@ -20,7 +20,8 @@ def test_default_budget_comes_from_available_memory(model_path, monkeypatch):
     backend = load(model_path, device="cpu").backend
     c = RUNNABLE_CONFIG
     kv = 2 * 4 * c["n_layers"] * c["max_context"] * c["n_kv_heads"] * c["head_dim"]
-    assert backend.cache_budget == int((10 << 30) * numpy_backend.BUDGET_SHARE) - numpy_backend.BUDGET_HEADROOM_BYTES - kv
+    share, headroom = numpy_backend.BUDGET_SHARE, numpy_backend.BUDGET_HEADROOM_BYTES
+    assert backend.cache_budget == int((10 << 30) * share) - headroom - kv
     assert backend.cached_names == set(backend.tinf.names) - {"tok_embeddings"}
     monkeypatch.setattr(numpy_backend, "available_memory_bytes", lambda: None)
     assert load(model_path, device="cpu").backend.cache_budget == numpy_backend.FALLBACK_BUDGET_BYTES
