@@ -125,7 +125,7 @@ def body(facts: dict, benchmarks: list[tuple[str, dict]]) -> str:
         "## Run it",
         "",
         "```sh",
-        'pip install "tinyinfer[cuda12]"   # or tinyinfer[cuda13]; plain tinyinfer runs on the CPU',
+        'pip install -e ".[cuda12]"   # in a checkout of tinyinfer; or ".[cuda13]"; plain "." runs on the CPU',
         run_command(facts),
         "```",
         "",
