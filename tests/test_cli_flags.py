@@ -139,3 +139,15 @@ def test_the_cpu_fallback_says_so_once(model_path):
     assert len(notes) == 1 and "no usable CUDA GPU" in notes[0] and "tokens/s for this model" in notes[0]
     assert "note:" not in tinyrun(model_path, "-p", "x", "-n", "2", "--device", "cpu").stderr
     assert tinyrun(model_path, "-p", "x", "-n", "2", "-q").stderr == ""
+
+
+def test_bench_runs_on_the_cpu(model_path, tmp_path):
+    import json
+
+    out = tmp_path / "bench.json"
+    result = tinyrun(model_path, "--bench", "6", "--device", "cpu", "--json", out, "-t", "1")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(out.read_text())
+    assert report["backend"] == "numpy" and report["n_tokens"] == 6 and report["blas_threads"] == 1
+    assert report["tok_s"] > 0 and len(report["runs_tok_s"]) == 3 and report["cores"] >= 1
+    assert "tok/s" in result.stderr and "load average" in result.stderr
