@@ -97,7 +97,8 @@ def format_size(n_bytes: int) -> str:
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--dir", "folders", multiple=True, type=click.Path(file_okay=False),
-              help=f"Also list the .tinf files under this folder (repeatable) [default: ${MODELS_ENV}].")
+              help=f"Also list the .tinf files under this folder (repeatable; ${MODELS_ENV} names more, "
+                   f"separated by '{os.pathsep}').")
 def list_command(folders):
     """List the .tinf models in the Hugging Face cache (tinyrun pull) and in your models folders."""
     from huggingface_hub import constants

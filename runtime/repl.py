@@ -219,6 +219,9 @@ class Chat:
             print("Usage: /set parameter NAME VALUE, /set system TEXT, /set verbose or /set quiet.")
 
     def set_parameter(self, words: list[str]) -> None:
+        if words and words[0].lower() == "num_ctx":
+            print(f"The context ({self.model.max_context} tokens) is set when the model loads; restart with -c N.")
+            return
         if len(words) < 2 or words[0].lower() not in PARAMETERS:
             print(f"Usage: /set parameter NAME VALUE, with NAME one of {', '.join(PARAMETERS)}.")
             return

@@ -70,11 +70,12 @@ def test_set_parameter_takes_ollamas_names(model_path, capsys, monkeypatch, call
 
 def test_bad_parameters_are_refused_and_change_nothing(model_path, capsys, monkeypatch, calls):
     lines = ["/set parameter top_p 7", "/set parameter seed x", "/set parameter bogus 1", "/set parameter",
-             "/set parameter num_predict -1", "hi", "exit"]
+             "/set parameter num_predict -1", "/set parameter num_ctx 4096", "hi", "exit"]
     code, out, _ = chat(model_path, capsys, monkeypatch, lines, "-n", "2")
     assert code == 0 and calls[0][1]["top_p"] is None and calls[0][1]["seed"] is None
     assert "top_p must be in (0, 1]" in out and "'x' is not an integer" in out
     assert out.count("Usage: /set parameter NAME VALUE") == 2 and "num_predict must be >= 0" in out
+    assert "is set when the model loads; restart with -c N" in out
 
 
 def test_system_clear_show_and_help(model_path, capsys, monkeypatch, calls):
