@@ -156,6 +156,9 @@ def rm_command(model, yes):
     cache = hub_cache()
     targets = cached_files(cache, parsed)
     if not targets:
+        if any(repo.repo_id == parsed.repo_id for repo in (cache.repos if cache else ())):
+            raise HubError(f"the cached {parsed.repo_id} holds no .tinf file {parsed.filename or ''}".rstrip()
+                           + "; tinyrun rm removes only .tinf models (huggingface_hub's `hf cache` removes others).")
         raise HubError(f"{parsed} is not in the Hugging Face cache; `tinyrun list` shows what is.")
     names = sorted({f.file_path.relative_to(rev.snapshot_path).as_posix() + f" @{rev.commit_hash[:8]}"
                     for rev, f in targets})

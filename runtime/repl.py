@@ -146,7 +146,7 @@ class Chat:
                 return
             if text.startswith("/"):
                 self.command(text)
-            elif text:
+            elif strip_quotes(line).strip():
                 self.reply(strip_quotes(line))
 
     # ------------------------------------------------------------------------------ a turn
@@ -155,10 +155,10 @@ class Chat:
         from tinyinfer.runtime.cli import overflow_message, show_prompt, speed_line
 
         self.history.append({"role": "user", "content": message})
-        if self.verbose_prompt:
-            show_prompt(self.model, self.messages(), chat=True, system=None)
         text, chunks = [], None
         try:
+            if self.verbose_prompt:
+                show_prompt(self.model, self.messages(), chat=True, system=None)
             chunks = self.model.generate(self.messages(), chat=True, **self.options)
             for chunk in chunks:
                 text.append(chunk)

@@ -71,6 +71,9 @@ def test_rm_of_one_file_keeps_the_others(tmp_path):
     assert (old / "a-q4.tinf").exists()
     result = tinyrun(env, "rm", "hf://org/two@v0", "--yes")          # one revision
     assert result.returncode == 0 and not old.exists() and (snapshot / "a-q4.tinf").exists()
+    write_cached_repo(cache, "org/checkpoint", {"config.json": b"{}"}, COMMIT)
+    one_sentence_error(tinyrun(env, "rm", "org/checkpoint", "--yes"), "holds no .tinf file", "hf cache")
+    assert (cache / "models--org--checkpoint" / "snapshots" / COMMIT / "config.json").exists()
 
 
 def test_list_local_folders_and_rm_a_local_file(tmp_path):
