@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import sys
@@ -24,6 +23,7 @@ def script(name: str) -> str:
 
 def run(name: str, *args, env: dict | None = None, input: str | None = None, timeout: float = 120,
         cwd=None) -> subprocess.CompletedProcess:
-    """Run a console script to completion; returns the CompletedProcess (text, stdout and stderr captured)."""
+    """Run a console script to completion, in `env` (the whole environment; default: this process's);
+    returns the CompletedProcess (text, stdout and stderr captured)."""
     return subprocess.run([script(name), *map(str, args)], capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, **(env or {})}, input=input, cwd=cwd)
+                          env=env, input=input, cwd=cwd)
