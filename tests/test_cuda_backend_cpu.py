@@ -51,12 +51,14 @@ def test_auto_falls_back_to_numpy(small_model):
 
 
 @no_gpu
-def test_bench_and_verify_need_the_gpu(small_model):
+def test_verify_needs_the_gpu_and_bench_measures_the_cpu(small_model):
     from tinyinfer.runtime.bench import BenchError, run_bench
     from tinyinfer.runtime.verify import VerifyError, run_verify
 
-    with load(small_model, device="cpu") as model, pytest.raises(BenchError, match="CUDA backend"):
-        run_bench(model, 8)
+    with load(small_model, device="cpu") as model:
+        assert run_bench(model, 8)["backend"] == "numpy"
+        with pytest.raises(BenchError, match="exceeds the context of 64"):
+            run_bench(model, 60)
     with pytest.raises(VerifyError, match="--device cpu"):
         run_verify(small_model, 4)
 
