@@ -226,9 +226,8 @@ def index_weight_map(folder: Path) -> dict[str, str]:
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
         raise ConvertError(f"{index_path} has no weight_map of tensor name to file; re-download it.")
     for filename in set(weight_map.values()):
-        parts = PurePosixPath(filename.replace("\\", "/")).parts
-        if (not parts or PurePosixPath(filename).is_absolute() or Path(filename).is_absolute() or ".." in parts
-                or not filename.endswith(".safetensors")):
+        name = PurePosixPath(filename.replace("\\", "/"))
+        if not name.parts or name.is_absolute() or ".." in name.parts or not filename.endswith(".safetensors"):
             raise ConvertError(f"{index_path} names shard {filename!r}, which is not a .safetensors "
                                f"file inside {folder}; fix the index.")
     return weight_map

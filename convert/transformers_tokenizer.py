@@ -97,8 +97,9 @@ def rebuild(cls: str, original: dict, tokenizer_config: dict):
         tokenizer.decoder = decoders.Sequence(steps + ([decoders.Strip(content=" ", left=1)] if prefix else []))
     elif cls == "Qwen2Tokenizer":
         prefix = setting(tokenizer_config, "add_prefix_space", False)
-        tokenizer = Tokenizer(BPE(vocab=vocab, merges=merges, dropout=None, unk_token=None, continuing_subword_prefix="",
-                                  end_of_word_suffix="", fuse_unk=False, byte_fallback=False))
+        tokenizer = Tokenizer(BPE(vocab=vocab, merges=merges, dropout=None, unk_token=None,
+                                  continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False,
+                                  byte_fallback=False))
         tokenizer.normalizer = normalizers.NFC()
         tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
             pre_tokenizers.Split(Regex(QWEN2_PATTERN), behavior="isolated", invert=False),
@@ -111,8 +112,8 @@ def rebuild(cls: str, original: dict, tokenizer_config: dict):
         tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=prefix)
         tokenizer.decoder = decoders.ByteLevel()
     if original.get("post_processor") is not None:
-        file_processor = Tokenizer.from_str(json.dumps({**empty_tokenizer(), "post_processor": original["post_processor"]}))
-        tokenizer.post_processor = file_processor.post_processor
+        carrier = {**empty_tokenizer(), "post_processor": original["post_processor"]}
+        tokenizer.post_processor = Tokenizer.from_str(json.dumps(carrier)).post_processor
     return tokenizer
 
 

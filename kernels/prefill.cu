@@ -137,7 +137,8 @@ extern "C" __global__ void __launch_bounds__(256) rope_store(
 //
 // Block (query tile, head): 4 warps x 16 query rows. The block walks the key positions
 // 0 .. start + (its last query) in tiles of 64 (with a sliding window of W positions, from the tile
-// holding its first query's first key, start + q0 - W + 1; keys before a row's window are masked): K and V tiles are copied row-major into shared
+// holding its first query's first key, start + q0 - W + 1; keys before a row's window are masked).
+// K and V tiles are copied row-major into shared
 // memory with cp.async, the next tile's copies in flight while the current one is used (two
 // buffers, dynamic shared memory: attention_shared_bytes in prefill.py). S = Q K^T and O += P V run
 // on the tensor cores (mma m16n8k16, fp32 accumulation; two k8 halves on Turing): K's B fragments
