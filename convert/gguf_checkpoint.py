@@ -68,7 +68,7 @@ class GgufCheckpoint:
         self.tensors = {t.name: t for t in reader.tensors}
         self.arch = self.meta.str("general.architecture")
         if self.arch not in ARCHITECTURES:
-            refuse_model(f"its architecture is {self.arch!r}")
+            refuse_model(f"its architecture is {self.arch!r}" if self.arch else "it has no general.architecture")
         self.config = gguf_config(self.meta, self.arch, self.tensors)
         self.sources = source_names(self.config, permute_qk=self.arch == "llama")
         self.check_tensors()

@@ -99,7 +99,7 @@ def stored(values: np.ndarray, type_name: str) -> tuple[np.ndarray, object, np.n
 
 def write_gguf(path, *, arch="llama", dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn=96, vocab=300,
                tied=False, matrix_type="F32", embedding_type=None, output_type=None, tokenizer="bpe",
-               biases=False, seed=0, metadata=None, drop=(), spm_model=None) -> dict[str, np.ndarray]:
+               biases=False, seed=0, pre="gpt2", metadata=None, drop=(), extra_tensors=None, spm_model=None) -> dict[str, np.ndarray]:
     """Write a random model; returns GGUF tensor name -> float32 values in Hugging Face row order."""
     import gguf
 
@@ -117,7 +117,8 @@ def write_gguf(path, *, arch="llama", dim=64, n_layers=2, n_heads=4, n_kv_heads=
     writer.add_rope_freq_base(10000.0)
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_rope_dimension_count(dim // n_heads)
-    add_tokenizer(writer, tokenizer, vocab, spm_model)
+    writer.add_vocab_size(vocab)
+    add_tokenizer(writer, tokenizer, vocab, spm_model, pre)
     for key, (kind, value) in (metadata or {}).items():
         getattr(writer, f"add_{kind}")(key, value)
     values = {}
@@ -131,6 +132,8 @@ def write_gguf(path, *, arch="llama", dim=64, n_layers=2, n_heads=4, n_kv_heads=
         array, raw_type, _ = stored(in_file, type_name)
         _, _, values[name] = stored(w, type_name)
         writer.add_tensor(name, array, raw_dtype=raw_type)
+    for name, array in (extra_tensors or {}).items():
+        writer.add_tensor(name, array)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -138,12 +141,11 @@ def write_gguf(path, *, arch="llama", dim=64, n_layers=2, n_heads=4, n_kv_heads=
     return values
 
 
-def add_tokenizer(writer, tokenizer: str | None, vocab: int, spm_model) -> None:
+def add_tokenizer(writer, tokenizer: str | None, vocab: int, spm_model, pre: str) -> None:
     if tokenizer == "bpe":
         tokens, types, merges = bpe_vocabulary(vocab)
-        assert len(tokens) <= vocab, (len(tokens), vocab)
         writer.add_tokenizer_model("gpt2")
-        writer.add_tokenizer_pre("smollm")
+        writer.add_tokenizer_pre(pre)
         writer.add_token_list(tokens)
         writer.add_token_types(types)
         writer.add_token_merges(merges)
