@@ -32,6 +32,7 @@ from tinyinfer.formats import TinyInferError
 @click.option("--push-to-hub", "push_repo", metavar="ORG/REPO", default=None,
               help="Then publish the file and a model card on the Hugging Face Hub (see HUB.md).")
 @click.option("--private", is_flag=True, help="With --push-to-hub: create the repo as private.")
+@click.version_option(package_name="tinyinfer", prog_name="tinyconvert", message="%(prog)s %(version)s")
 def main(source, out, quant, group_size, head, no_scale_search, revision, token, tokenizer, gguf_name, autotune,
          push_repo, private):
     """Convert SOURCE (a Hub repo id, a local Hugging Face checkpoint folder, a .gguf file, or a

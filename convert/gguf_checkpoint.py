@@ -3,8 +3,8 @@
 `open_gguf(path)` is the one entry point: it checks the file's layout, reads it with the gguf
 package, maps its metadata to the tinf config, checks every tensor against that config and builds
 the tokenizer, raising only ConvertError. The checkpoint then looks like the other sources:
-`config`, `n_params`, `load(tinf_name)` -> float32; `exact(tinf_name, encoding)` gives the tinf
-tensor copied bit for bit from GGML blocks where the encodings match (gguf_blocks).
+`config` and `load(tinf_name)` -> float32; `exact(tinf_name, encoding, group)` gives the tinf tensor
+copied bit for bit from GGML blocks where the encodings match (gguf_blocks).
 
 llama.cpp's converter permutes the q/k projection rows of the `llama` architecture into
 interleaved RoPE pairs; they are permuted back to the rotate-half order here (whole rows move, so
@@ -134,10 +134,6 @@ class GgufCheckpoint:
 
     def source_types(self, tinf_name: str) -> set[str]:
         return {self.type_name(part) for part in self.sources[tinf_name][0]}
-
-    @property
-    def n_params(self) -> int:
-        return sum(math.prod(shape) for shape in self.expected_shapes().values())
 
     def load(self, tinf_name: str) -> np.ndarray:
         """One tinf tensor as float32, dequantized with gguf.quants (the values llama.cpp computes with)."""

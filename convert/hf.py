@@ -7,7 +7,6 @@ as they are.
 
 from __future__ import annotations
 
-import math
 import json
 import re
 from pathlib import Path
@@ -239,10 +238,6 @@ class HfCheckpoint:
             if name not in expected and name not in tolerated and not IGNORED_TENSOR.fullmatch(name):
                 what = "bias tensors" if name.endswith(".bias") else "extra tensors"
                 refuse(f"it has {what} such as {name}")
-
-    @property
-    def n_params(self) -> int:
-        return sum(math.prod(shape) for shape in source_shapes(self.config).values())
 
     def load(self, tinf_name: str) -> np.ndarray:
         """One tinf tensor; fused parts are read straight into their row block (no extra copy)."""

@@ -124,12 +124,6 @@ class Llama2cCheckpoint:
         scales = np.fromfile(self.path, dtype="<f4", count=numel // self.group, offset=scale_offset[0])
         return (q.reshape(-1, self.group) * scales[:, None]).astype(np.float32).reshape(shape)
 
-    @property
-    def n_params(self) -> int:
-        shapes = self.shapes()
-        shapes.pop("freq_cis", None)
-        return sum(math.prod(s) for s in shapes.values())
-
     def load(self, tinf_name: str) -> np.ndarray:
         parts = tinf_name.split(".")
         if len(parts) == 1:

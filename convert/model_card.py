@@ -12,6 +12,7 @@ from pathlib import Path
 
 from tinyinfer.formats import open_tinf
 from tinyinfer.formats.quant import QUANTIZED
+from tinyinfer.formats.stats import file_weight_stats
 
 SHA256_CHUNK = 16 << 20
 
@@ -42,9 +43,7 @@ def model_card(tinf_path, repo_id: str, sha256: str | None = None) -> str:
 def card_facts(f, repo_id: str, sha256: str) -> dict:
     """The numbers and names the card reports, in one flat dict (the tests check each of them)."""
     prov = f.metadata.get("provenance") or {}
-    infos = [f.info(name) for name in f.names]
-    n_weights = sum(count(i.shape) for i in infos)
-    quantized = [i for i in infos if i.encoding in QUANTIZED]
+    stats = file_weight_stats(f)
     source = prov.get("source")
     revision = prov.get("revision")
     return {
@@ -63,21 +62,13 @@ def card_facts(f, repo_id: str, sha256: str) -> dict:
         "scale_search": prov.get("scale_search"),
         "converter": prov.get("converter"),
         "created": prov.get("created"),
-        "n_weights": n_weights,
-        "bits_per_weight": 8 * sum(i.nbytes for i in infos) / n_weights,
-        "quantized_bits_per_weight": (8 * sum(i.nbytes for i in quantized) / sum(count(i.shape) for i in quantized)
-                                      if quantized else None),
+        "n_weights": stats.n_weights,
+        "bits_per_weight": stats.bits_per_weight,
+        "quantized_bits_per_weight": stats.quantized_bits_per_weight,
         "has_chat_template": bool(f.metadata.get("chat_template")),
         "architecture": f.config.get("architecture"),
         "max_context": f.config.get("max_context"),
     }
-
-
-def count(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def looks_like_repo_id(source) -> bool:
@@ -134,7 +125,7 @@ def body(facts: dict, benchmarks: list[tuple[str, dict]]) -> str:
         "## Run it",
         "",
         "```sh",
-        'pip install "tinyinfer[cuda12]"   # or tinyinfer[cuda13]; plain tinyinfer runs on the CPU',
+        'pip install -e ".[cuda12]"   # in a checkout of tinyinfer; or ".[cuda13]"; plain "." runs on the CPU',
         run_command(facts),
         "```",
         "",
@@ -181,7 +172,7 @@ def quant_line(facts: dict) -> str:
 
 
 def bits_line(facts: dict) -> str:
-    text = f"{facts['bits_per_weight']:.2f} over the whole file"
+    text = f"{facts['bits_per_weight']:.2f} over all tensors (embeddings and norms included)"
     if facts["quantized_bits_per_weight"] is not None:
         text += f", {facts['quantized_bits_per_weight']:.2f} in the quantized layers (scales included)"
     return text

@@ -23,7 +23,9 @@ from tinyinfer.convert.gguf_checkpoint import GgufCheckpoint, open_gguf
 from tinyinfer.convert.hf import HfCheckpoint, read_hf_config, readme_license, tinf_config
 from tinyinfer.convert.llama2c import Llama2cCheckpoint
 from tinyinfer.convert.tokenizer_files import check_tokenizer, hf_tokenizer, sentencepiece_tokenizer
-from tinyinfer.formats import TensorSpec, TinfWriter, encode
+from tinyinfer.formats import TensorSpec, TinfWriter, encode, open_tinf
+from tinyinfer.formats.stats import file_weight_stats
+from tinyinfer.formats.tinf import is_tinf_file
 from tinyinfer.formats.version import tinyinfer_version
 
 QUANTS = ("q4", "q8", "f16")
@@ -63,7 +65,7 @@ def convert_checkpoint(source, out=None, quant=None, group_size=None, head=None,
     metadata = build_metadata(model, str(source) + (f"/{file}" if file else ""), quant, group_size, scale_search)
     write_tensors(out, metadata, specs, model.checkpoint, group_size, scale_search, progress)
     if progress:
-        print(summary(out, model.checkpoint.n_params, time.perf_counter() - started), file=sys.stderr)
+        print(summary(out, time.perf_counter() - started), file=sys.stderr)
     return out
 
 
@@ -130,6 +132,9 @@ def open_hub(repo_id: str, revision, token, progress) -> Source:
 def open_llama2c(path: Path, tokenizer) -> Source:
     if path.suffix == ".safetensors" or path.name == "config.json":
         raise ConvertError(f"{path} is part of a Hugging Face checkpoint; pass the folder that holds it.")
+    if is_tinf_file(path):
+        raise ConvertError(f"{path} is already a .tinf file, ready to run with `tinyrun {path}`; to change "
+                           f"its quantization, convert the original checkpoint again.")
     if tokenizer is None:
         raise ConvertError(f"{path} is read as a llama2.c checkpoint, which needs --tokenizer PATH "
                            f"to its sentencepiece .model file.")
@@ -251,7 +256,8 @@ def check_values(spec: TensorSpec, weights: np.ndarray) -> None:
                            f"{spec.encoding} range of {limit:.6g}; {fix}.")
 
 
-def summary(out: Path, n_params: int, seconds: float) -> str:
-    size = out.stat().st_size
-    return (f"wrote {out}: {n_params / 1e6:.2f}M parameters, {size / 2**20:.1f} MiB, "
-            f"{8 * size / n_params:.2f} bits/weight, {seconds:.1f} s")
+def summary(out: Path, seconds: float) -> str:
+    """The line tinyconvert ends with; the counts are those `tinyrun info` and the model card give."""
+    with open_tinf(out) as f:
+        stats = file_weight_stats(f)
+    return f"wrote {out}: {stats.summary()}, {out.stat().st_size / 2**20:.1f} MiB, {seconds:.1f} s"

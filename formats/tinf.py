@@ -182,6 +182,12 @@ def open_tinf(path) -> "TinfFile":
     return TinfFile(path)
 
 
+def is_tinf_file(path) -> bool:
+    """Whether the file starts with the .tinf magic bytes (whatever its name)."""
+    with open(path, "rb") as f:
+        return f.read(len(MAGIC)) == MAGIC
+
+
 class TinfFile:
     """A validated, memory-mapped .tinf file."""
 

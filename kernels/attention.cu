@@ -453,8 +453,8 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS, 2) ATT_CLUSTER_DIMS at
 // blocks of its KV head (from L2 after the first) instead of once per group, and in exchange
 // nothing goes through shared memory until the end, no barrier separates scores, softmax and
 // p . V, and no slices are merged (the chunked kernel above pays ~5 block-wide phases per chunk and
-// a cluster merge; for TinyLlama's 8 heads per KV head this kernel makes the step ~5% faster,
-// BENCHMARKS.md "Eighth session"):
+// a cluster merge; for TinyLlama's 8 heads per KV head this kernel makes the step faster,
+// kernels/README.md "Attention kernels"):
 // - a row belongs to a lane group of L lanes (L = hd/8 rounded up to a power of two; lane `piece`
 //   holds dims 8 piece .. 8 piece + 7, one 16-byte load of K and one of V), the rows dealt
 //   round-robin to the block's RG lane groups;
@@ -576,8 +576,7 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS, 2) attention_rows(
     // This step's k (rotated) and v, rounded to fp16 as the cache stores them (the block of the
     // group's first head writes them there, last), and q, rotated and scaled to the log2 domain:
     // their loads go out together, one round trip (with the cache store before the q loads, ptxas
-    // kept those below it: two round trips, s8 run 5; staging them through shared memory was
-    // slower still, s8 run 3).
+    // kept those below it: two round trips; staging them through shared memory was slower still).
     const float* cos_p = rope_cos + (size_t)pos * (hd >> 1);
     const float* sin_p = rope_sin + (size_t)pos * (hd >> 1);
     float q[8] = {};
@@ -729,8 +728,8 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS, 2) attention_rows(
 // KV head share its rows: warp w of block `slice` is warp w S + slice of the KV head, so consecutive
 // row blocks go to different blocks and a shorter context still spreads over them. A pass then
 // covers S * PASS_ROWS rows, all loaded before the PDL wait: each later pass costs a dependent round
-// trip, which is what made long contexts slow (s13: Llama-2-7B q4 +46% per token at position
-// 2,048). Block 0 merges the blocks' states (at the end of the kernel), unless it holds every row.
+// trip, which is what made long contexts slow (kernels/README.md, "Context split"). Block 0 merges
+// the blocks' states (at the end of the kernel), unless it holds every row.
 //
 // Fragments (lane (g, t) of a warp, g = lane / 4, t = lane % 4):
 // - A (16 rows) holds each head twice: row h the fp16 value of its rotated, scaled q, row h + 8 the
@@ -798,7 +797,7 @@ TI_DEVICE void attention_mma_body(const float* __restrict__ qkv, __half* __restr
     constexpr int PASS_ROWS = MMA_WARPS * WARP_ROWS;
     constexpr int TILES = HD / 8;            // output tiles of p . V, tile 4 i + w
     // (Aligned for its float2 stores: declared 4-byte aligned, it was 8-byte aligned only by being
-    // placed first; in an experimental kernel a one-byte shared flag went first and they faulted, s24.)
+    // placed first; in an experimental kernel a one-byte shared flag went first and they faulted.)
     __shared__ __align__(16) float warp_o[MMA_WARPS][MMA_MAX_GROUP][HD];   // each warp's unnormalised output
     __shared__ float warp_ml[MMA_WARPS][MMA_MAX_GROUP][2];   // and its (max, sum) per head
     TI_PROBE;
@@ -850,10 +849,8 @@ TI_DEVICE void attention_mma_body(const float* __restrict__ qkv, __half* __restr
     // without the split; else all S meet in the merge (every block of a cluster calls its barriers).
     const int active = min(S, (len + WARP_ROWS - 1) / WARP_ROWS);
     if (active == 1 && slice > 0) return;
-    // The position's RoPE rows, before the wait too: after it, only this step's q, k and v are read.
-    // H200, one process and tuning, rounds alternated, against the rows read after the wait
-    // (BENCHMARKS.md s33, three calls): TinyLlama f16 -0.2 to -1.0% per token, TinyLlama q4 -0.05 to
-    // -0.8%, Llama-2-7B q4 -0.1 to -0.2%.
+    // The position's RoPE rows, before the wait too (read-only tables): after it, only this step's
+    // q, k and v are read (kernels/README.md, "Attention kernels").
     float c[PIECES / 2][8], s[PIECES / 2][8];
     load_rope_row<PIECES>(rope_cos + (size_t)pos * (HD / 2), t, c);
     load_rope_row<PIECES>(rope_sin + (size_t)pos * (HD / 2), t, s);
@@ -1004,7 +1001,7 @@ TI_DEVICE void attention_mma_body(const float* __restrict__ qkv, __half* __restr
     // Split: every block's state (sum, max and denominator per head) goes into block 0's shared
     // memory, `gathered` [S][group * hd] then [S][group][2], where block 0 alone waits for it and
     // merges. (A merge where each block read its peers' states took two cluster barriers, the second
-    // to keep the states alive until read: 1.4-1.8 us per layer, BENCHMARKS.md s23.)
+    // to keep the states alive until read, and was slower: kernels/README.md, "Context split".)
     float* gathered_ml = gathered + S * group * HD;
     if (active > 1) cluster_wait();                           // every block of the cluster runs
     for (int idx = threadIdx.x; idx < group * HD; idx += blockDim.x) {

@@ -35,14 +35,14 @@ SMS_PER_SLICE = 2     # attention_mma at long contexts: at most one block per th
 
 
 def uses_cluster(compute_capability: int) -> bool:
-    """Merge the slices inside thread-block clusters (Hopper and newer). Measured on an H200 in the
-    decode graph, against the global merge: about 2 us per layer faster for TinyLlama and 7B."""
+    """Merge the slices inside thread-block clusters (Hopper and newer): faster in the decode graph
+    than the global merge (kernels/README.md, "Attention kernels")."""
     return compute_capability >= CLUSTER_MIN_COMPUTE_CAPABILITY
 
 
 def threads_for(n_heads: int, n_kv_heads: int, head_dim: int, slices: int, n_sms: int) -> int:
     """Threads per block: 256 when the grid has at most one block per SM (TinyLlama: 32 blocks), else
-    128 (Llama-2-7B: 256 blocks; with 256 threads its decode step was 7% slower on an H200), and
+    128 (Llama-2-7B: 256 blocks, whose decode step was slower with 256 threads), and
     more where the p . V items of a large group need them."""
     threads = MAX_THREADS if n_kv_heads * slices <= n_sms else MAX_THREADS // 2
     while (n_heads // n_kv_heads) * head_dim > 8 * MAX_ITEMS * threads and threads < MAX_THREADS:
@@ -84,9 +84,9 @@ class AttentionPlan:
 def plan(n_heads: int, n_kv_heads: int, head_dim: int, max_context: int, n_sms: int, compute_capability: int,
          kernel: str | None = None) -> AttentionPlan:
     """The kernel for a shape. attention_mma (a block per KV head, the products on the tensor cores)
-    where it fits (mma_fits): on an H200 it made TinyLlama q4's decode step 4.1% faster than
-    attention_rows and Llama-2-7B q4's 4.0% faster than the chunked kernel (BENCHMARKS.md,
-    thirteenth session). Else attention_rows (a block per query head) for groups of at least
+    where it fits (mma_fits): it made both TinyLlama's and Llama-2-7B's decode steps faster than the
+    other two kernels (kernels/README.md, "Attention kernels"). Else attention_rows (a block per
+    query head) for groups of at least
     ROWS_MIN_GROUP query heads per KV head, and the chunked kernel for the rest. attention_mma also
     gets a long-context variant where clusters exist: mma_long_slices blocks per KV head from
     mma_long_from (the backend captures a second step graph for those positions).
@@ -114,10 +114,8 @@ def plan(n_heads: int, n_kv_heads: int, head_dim: int, max_context: int, n_sms: 
 
 def mma_long_from(head_dim: int, long_slices: int) -> int:
     """The first position of the long-context step: where one block would need a second pass when
-    the split's merge is one peer's state (2 blocks), else a third (the merge of more costs more).
-    H200, BENCHMARKS.md: Llama-2-7B q4 (2 blocks) from 144, 1,393.7 us per token with one block
-    against 1,367.8 with two (s23 run 6); its benchmark at 128 against 256: 734.3 -> 740.7 tok/s
-    (s24 run 1). TinyLlama f16 (8 blocks) from 16 still lost with the split (681 against 714)."""
+    the split's merge is one peer's state (2 blocks), else a third (the merge of more costs more;
+    kernels/README.md, "Context split")."""
     return mma_pass_rows(head_dim) * (1 if long_slices <= 2 else 2)
 
 
@@ -132,13 +130,9 @@ def mma_long_slices(n_kv_heads: int, n_sms: int, compute_capability: int) -> int
     Hopper and newer): the most, up to CLUSTER_SIZE, whose grid leaves half the SMs to the kernels
     launched early beside it (SMS_PER_SLICE).
 
-    H200, whole decode step, us per token (BENCHMARKS.md s23, the split's first merge): TinyLlama
-    f16 from position 1,984, 1 / 2 / 4 / 8 blocks: 925 / 835 / 774 / 743, but from 16: 679 / 705 /
-    704 / 708 (the cluster's merge costs more than the passes it saves); Llama-2-7B q4 from 4,000,
-    1 / 2 / 4: 2,621 / 2,091 / 2,288, from 16: 1,330 / 1,381 / 1,534. With the merge as it is now
-    (block 0 gathers), 8 blocks still lose on TinyLlama f16 from 16 (714 against 681) and 2 gain on
-    7B only from 144 on. Hence one block per KV head at short contexts and this many from
-    mma_long_from on."""
+    At long contexts the split saves passes, at short ones the cluster's merge costs more than the
+    passes it saves (kernels/README.md, "Context split"). Hence one block per KV head at short
+    contexts and this many from mma_long_from on."""
     if compute_capability < CLUSTER_MIN_COMPUTE_CAPABILITY:
         return 1
     slices = 1

@@ -55,7 +55,7 @@ def compile_options(compute_capability: int) -> tuple:
     if compute_capability == 90:
         options += ("-arch=sm_90a",)   # Hopper's own target (checked on an H200 with CuPy 14.2)
     if os.environ.get("TINYINFER_TIMELINE") == "1":
-        options += ("-DTI_TIMELINE",)  # per-block timestamps for tests/gpu_timeline.py (common.cuh)
+        options += ("-DTI_TIMELINE",)  # per-block timestamps for tests/perf/timeline.py (common.cuh)
     return options
 
 
@@ -75,10 +75,10 @@ def module(name: str, name_expressions: tuple = (), compute_capability: int = 0,
 def compile_all(modules) -> None:
     """Compile and load RawModules, those missing from CuPy's disk cache on parallel threads.
 
-    NVRTC releases the GIL, so a first-ever build of a q4 model's 24 GEMV instantiations takes ~3 s
-    on 16 cores instead of 12 s in one module; but a pool costs ~0.35 s more than loading 24 cached
-    modules in turn (0.04-0.07 s; H200 host, BENCHMARKS.md s12). So modules load in turn until one
-    takes long enough to be a compilation, and the rest go to the pool."""
+    NVRTC releases the GIL, so a first-ever build of a model's GEMV instantiations is several times
+    faster on parallel threads than in one module; but a pool costs more than loading cached modules
+    in turn (kernels/README.md, "Building the kernels"). So modules load in turn until one takes long
+    enough to be a compilation, and the rest go to the pool."""
     import cupy
 
     pending = list(modules)

@@ -225,7 +225,7 @@ TI_DEVICE long long to_pending(float v) {
 }
 
 // v[i] = pending[i] for eight values (16-byte aligned), after the PDL wait: plain loads, as x (the
-// GEMV readers cost twice as much with ld.global.cg, s17), or coherent ones where a plain load
+// GEMV readers cost twice as much with ld.global.cg), or coherent ones where a plain load
 // could be moved above the wait (load_activation4).
 TI_DEVICE void load_pending8(const long long* pending, float (&v)[8], bool coherent) {
     const longlong2* p = reinterpret_cast<const longlong2*>(pending);
@@ -361,7 +361,7 @@ TI_DEVICE u64 warp_max_u64(u64 v) {
 #define STATE_SIZE 4
 
 // Decode timeline: a diagnostic compiled in only with -DTI_TIMELINE (TINYINFER_TIMELINE=1 at load;
-// read by tests/gpu_timeline.py). Thread 0 of every block writes one record of TI_TIMELINE_WORDS
+// read by tests/perf/timeline.py). Thread 0 of every block writes one record of TI_TIMELINE_WORDS
 // u64: the launch (%gridid), (SM << 32 | linear block index), then the global timer (ns) at
 // TI_MARKS marks and the SM's clock at the same marks. Mark 0 is the block's start, 1 the return
 // from pdl_wait, the last one its end; the kernels place the others (see their TI_MARK calls,

@@ -186,8 +186,7 @@ __device__ __forceinline__ float group_value(const float* __restrict__ x, const 
 // instructions: each value is rounded to an integer by adding Q4_ROUNDER, whose float sum holds
 // round-to-nearest-even(v) in its low mantissa bits (exact for |v| < 2^22; here |v| <= 32512), on
 // the FMA pipe instead of the conversion unit (F2I), and the limbs come out of those bits with byte
-// permutes instead of a shift, mask and or per value. H200, one process and tuning, us per token
-// (BENCHMARKS.md s25): Llama-2-7B q4 1,338.3 -> 1,336.4, TinyLlama q4 384.0 -> 382.3.
+// permutes instead of a shift, mask and or per value (kernels/README.md, "q4 on integer tensor cores").
 template <int IN>
 __device__ __forceinline__ void stage_group_q4(__half* xs, __half* xs_lo, const float* __restrict__ x,
                                                const long long* __restrict__ pending, const float* __restrict__ aux,
@@ -387,9 +386,8 @@ __device__ __forceinline__ void stage_input(__half* xs, __half* xs_lo, float* co
 // The groups of x that one warp multiplies: its chunks first_chunk, + chunk_step, ... (my_chunks of
 // them; gemv's warps each keep the same chunks for every tile), staged as stage_input stages them,
 // by the warp alone. The warp then needs only __syncwarp before its products: no block barrier, so
-// it starts as soon as its own part of x has landed instead of waiting for every warp's (H200, one
-// process and tuning, us per token against the block-wide staging, BENCHMARKS.md s28: Llama-2-7B q4
-// 1,323.9 -> 1,283.0, TinyLlama f16 680.0 -> 666.3, TinyLlama q4 377.2 -> 369.8). RMSNorm's sum of
+// it starts as soon as its own part of x has landed instead of waiting for every warp's
+// (kernels/README.md, "Input staging"). RMSNorm's sum of
 // squares covers the warp's columns; the warps' sums (ss_warps) cover x once, read after the first
 // tile's barrier. The warp's groups go to its lanes in rounds of BATCH per lane; a chunk is 8, 16 or
 // 32 groups (CW / 8), so a section's groups always sit on consecutive lanes of one round, as
@@ -450,9 +448,9 @@ __device__ __forceinline__ int gemv_scratch_bytes(int nwarps, int rt, int split)
 }
 
 // A split-K block's cluster, and the clusters in the grid (see gemv). Written out at each use rather
-// than held in variables: held, they changed the register allocation of the SPLIT = 1 kernels, which
-// measured 0.3% slower in TinyLlama q4's step; written out, their machine code is the same as it was
-// before split-K existed.
+// than held in variables: held, they changed the register allocation of the SPLIT = 1 kernels and
+// slowed the step (kernels/README.md, "Split-K"); written out, their machine code is the same as it
+// was before split-K existed.
 template <int SPLIT>
 __device__ __forceinline__ int cluster_of_block() { return (int)blockIdx.x / SPLIT; }
 
@@ -479,7 +477,7 @@ __device__ __forceinline__ int tile_outputs() {
 // Each mma waits for the previous one's accumulator (~30 cycles on Hopper), so a piece's mmas in one
 // chain take as many such latencies before its loads' registers are free. With one row tile the two
 // mmas of each 8 halves of q8 therefore go to two accumulators, summed at the end (chains of KPL / 8
-// mmas; this was measured on q4's fp16 path, s20, whose pieces were chains of 8); with two, the
+// mmas; this was measured on q4's former fp16 path, whose pieces were chains of 8); with two, the
 // tiles' chains already interleave, and the second accumulator made nvcc spill. (q4 has its own,
 // shorter chains: piece_products_q4.)
 template <int WT, int RT>
@@ -524,9 +522,8 @@ __device__ __forceinline__ float section_sum(float d_hi, float d_lo, float c) {
 // columns' nibbles n are masked down to bytes (low nibbles) and multiplied into d; the odd columns'
 // are masked where they are (high nibbles: bytes of 16 n, one LOP3 per 4 weights instead of a shift
 // and a LOP3) and multiplied into a second accumulator e, which then holds 16 times their products.
-// The two accumulators are also two shorter mma chains. H200, one process and tuning, us per token
-// (BENCHMARKS.md s26): Llama-2-7B q4 1,335.5 -> 1,315.1, TinyLlama q4 384.4 -> 377.6 (against
-// piece_products_q4 in every kernel).
+// The two accumulators are also two shorter mma chains (kernels/README.md, "q4 on integer tensor
+// cores").
 __device__ __forceinline__ void tile_sums_q4(const uint4& r0, const uint4& r8, const uint4* xp, int bias, int (&sum)[2]) {
     int d[4] = {0, 0, 0, 0}, e[4] = {0, 0, 0, 0};
     constexpr u32 LOW = 0x0F0F0F0Fu, HIGH = 0xF0F0F0F0u;
@@ -626,19 +623,16 @@ __device__ __forceinline__ float residual_at(const float* y, const long long* pe
 // is multiplied, so the DRAM queue never drains while a block reduces a tile.
 //
 // Ring depth (DEPTH, 1 to 4, tuned in the decode step; the first DEPTH items load before the PDL
-// wait). Timed alone, depths 2 to 8 are within 5% of each other; in the step a shallow ring wins
-// for q4 and q8 (H200: TinyLlama q4 -5.8% per token with depth 1 on wqkv, wo and gate/up and 3 on
-// the long-K down projection), while f16 keeps 4. Why is not pinned down: loading fewer items
-// before the wait at the same depth did not help (BENCHMARKS.md, s11), so it is not only the loads'
-// place ahead of the input's reads; a shallow ring also holds fewer registers (q4 R = 1 on the
-// fp16 tensor-core path of then: 86 at depth 1, 128 at depth 4) and keeps fewer loads in flight per
-// SM while other kernels' blocks run. (These were measured before q4 moved to the integer tensor
-// cores, s22; the tuner still chooses the depth per role in the step.)
+// wait). Timed alone, the depths barely differ; in the step a shallow ring wins for q4 and q8 while
+// f16 keeps 4, so the tuner chooses the depth per role in the step. Why is not pinned down: loading
+// fewer items before the wait at the same depth did not help, so it is not only the loads' place
+// ahead of the input's reads; a shallow ring also holds fewer registers and keeps fewer loads in
+// flight per SM while other kernels' blocks run (kernels/README.md, "Ring depth").
 //
 // Refill (REFILL = 1, chosen in the decode step like the depth): the ring slot just multiplied is
-// reloaded inside the item, piece by piece, with predicated loads rather than after it. On an H200
-// it wins on the f16 GEMVs that stream many items per warp (Llama-2-7B gate/up and down: -1.5% per
-// token) and loses on every TinyLlama q4 role; the tuner keeps it per role (BENCHMARKS.md, s14).
+// reloaded inside the item, piece by piece, with predicated loads rather than after it. It wins on
+// the f16 GEMVs that stream many items per warp and loses on the q4 ones with few, so the tuner
+// keeps it per role (kernels/README.md, "Refill").
 //
 // B operand. Lane (g, t) holds A's k positions of "section" t: the 32 (q4) / 16 (q8) / 8 (f16)
 // columns of its own 16-byte load, which lie in one quantization group. B column n carries x for
@@ -654,25 +648,21 @@ __device__ __forceinline__ float residual_at(const float* y, const long long* pe
 // so the result does not depend on timing.
 //
 // Staggered first item (STAGGER = 1, chosen in the decode step like the depth; RMSNorm inputs whose
-// warps stage their own part of x, at ring depth 1: gemv.can_stagger). Global loads land in order:
-// on an H200 (BENCHMARKS.md s30) a warp's load of a line in L2, issued after 8 cold 16-byte loads
-// per lane, was used 5,999 cycles after them (the cold ones 6,045; through cp.async 6,036), and
-// warps with no cold loads of their own, asking after their block's other warps had, waited 3,122
-// cycles. So x, read after the PDL wait, lands only after the ring loaded before it. A block that
+// warps stage their own part of x, at ring depth 1: gemv.can_stagger). Global loads land in order,
+// even a load that hits L2 behind cold ones (kernels/README.md, "Staggered first item"), so x, read
+// after the PDL wait, lands only after the ring loaded before it. A block that
 // starts when the previous kernel has already ended (on Llama-2-7B most blocks of the RMSNorm-input
 // GEMVs, whose predecessors hold every SM) then waits for its whole ring before it can stage x. With
 // STAGGER only the first piece (j = 0) of the ring's first item is loaded before the wait, and its
 // other pieces once x has landed (stage_own_chunks' x_landed): x waits for half an item, and the
 // second half's round trip overlaps the staging. Blocks that start early lose the second half's
-// head start, so the tuner decides per role (H200, one process and tuning, us per token: Llama-2-7B
-// q4 1,242.4 -> 1,211.7 with wqkv, gate/up and the head staggered, 1,230.1 with every GEMV; TinyLlama
-// f16 +0.9% and q4 +1.3% with their RMSNorm-input GEMVs staggered).
+// head start, so the tuner decides per role (it wins on Llama-2-7B q4 and loses on TinyLlama).
 //
 // Block width (WIDE = 1: 16 warps, one block per SM; else at most 8 warps, two blocks per SM, the
 // same 128-register cap either way). A wide block splits K over twice the warps, as a split-K
 // cluster does, but sums the warps in its own shared memory. Its bounds are a separate
-// instantiation: compiled for 512 threads, the 256-thread kernels measured 0.5-2% slower in the step
-// (H200, BENCHMARKS.md s16).
+// instantiation: compiled for 512 threads, the 256-thread kernels measured slower in the step
+// (kernels/README.md, "Block width").
 
 template <int WT, int G, int RT, int IN, int OUT, int SPLIT, int DEPTH, int REFILL, int BLOCKED, int WIDE, int STAGGER = 0>
 __global__ void __launch_bounds__(WIDE ? 512 : 256, WIDE ? 1 : 2) gemv(
@@ -807,7 +797,7 @@ __global__ void __launch_bounds__(WIDE ? 512 : 256, WIDE ? 1 : 2) gemv(
     // next item's piece (tile `next_tile`, chunk `next_chunk`) once they are used, as predicated loads
     // in the same basic block as the products: the scheduler then converts the weights first and
     // issues the next item's loads right after the first mma, so they are in flight during the
-    // products (more registers: q4 R = 1 at depth 1 went from 86 to 127, s14). Without REFILL the slot is
+    // products (at the cost of registers, kernels/README.md "Refill"). Without REFILL the slot is
     // loaded after the item, as a separate step (load_next).
     auto compute_item = [&](int b, int chunk, float (&acc)[RT][2], bool refill, int next_tile, int next_chunk) {
         const int kb = chunk * CW;
@@ -896,7 +886,7 @@ __global__ void __launch_bounds__(WIDE ? 512 : 256, WIDE ? 1 : 2) gemv(
         if (OWN) {
             // Groups per lane per round trip: x and the norm weight of one group, or x of three (two
             // where the ring is deeper: nvcc spills three there). Three take Llama-2-7B's down
-            // projection (3 chunks a warp) in one round trip: -0.5% per token (H200, BENCHMARKS.md s28).
+            // projection (3 chunks a warp) in one round trip (kernels/README.md, "Input staging").
             stage_own_chunks<WT, IN, CW, IN != IN_PLAIN ? 1 : DEPTH == 1 ? 3 : 2>(xs, xs_lo, corr, x, pending, aux, K,
                                                                                   chunk0 + warp, nwarps, my_chunks,
                                                                                   chunk_end * CW, ss_warps, [&] {
@@ -922,8 +912,8 @@ __global__ void __launch_bounds__(WIDE ? 512 : 256, WIDE ? 1 : 2) gemv(
         for (int k = 0; k < my_chunks; ++k, ++it) {
             // Register arrays need constant indices: one unrolled copy per ring slot. (Selected by
             // it % DEPTH, nvcc put the f16 depth-2 and the refilled depth-2 rings in local memory, and
-            // selected by the slot counter, depths 3 and 4 measured 0.6% slower in Llama-2-7B q4's
-            // step, H200: each where it works.)
+            // selected by the slot counter, depths 3 and 4 measured slower in the step: each where it
+            // works.)
             const int current = REFILL || DEPTH == 2 ? slot : it % DEPTH;
 #pragma unroll
             for (int b = 0; b < DEPTH; ++b) {

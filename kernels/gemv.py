@@ -31,8 +31,8 @@ WIDE_WARPS = 16               # warps of a wide block (gemv.cu WIDE: 512 threads
 SPLITS = (1, 2)               # blocks per cluster sharing one tile's K (2: plain inputs on Hopper)
 SPLIT_MIN_COMPUTE_CAPABILITY = 90   # thread-block clusters
 # Ring depth (items in flight per warp, gemv.cu's DEPTH) by row tiles: the depth every configuration
-# is timed alone with (alone, depths 2 to 8 time within 5%), and the depths tried in the decode step,
-# where it matters (see gemv.cu).
+# is timed alone with (alone, the depths barely differ), and the depths tried in the decode step,
+# where it matters (kernels/README.md, "Ring depth").
 DEFAULT_DEPTH = {1: 4, 2: 2}
 STEP_DEPTHS = {1: (1, 2, 3, 4), 2: (1, 2)}
 
@@ -134,7 +134,8 @@ def can_stagger(shape: GemvShape, config: GemvConfig) -> bool:
     """Whether the STAGGER kernel exists: for RMSNorm inputs (the GEMVs whose blocks start late on
     Llama-2-7B; staggering the plain-input ones lost there) at ring depth 1, where it was measured to
     pay. Deeper rings hold more registers, and nvcc spilled some of them staggered (q4 R = 1 at depth
-    4, q8 R = 2 at depth 2; sm_90); at depth 1 none of the 120 kinds spills (BENCHMARKS.md s30)."""
+    4, q8 R = 2 at depth 2; sm_90); at depth 1 none of the kinds spills (kernels/README.md,
+    "Staggered first item")."""
     return shape.input != "plain" and config.depth == 1
 
 
@@ -144,10 +145,9 @@ def pending_variant(shape: GemvShape, config: GemvConfig) -> GemvConfig:
     thread hold 8 more registers through the input's staging than x does, and nvcc (sm_90) spilled two
     kinds of q4/q8 kernels: q4 R = 1 at depth 4 with its ring refilled after the products (depth 3
     instead), and the o projection's R = 2 ring refilled during them (refilled after them instead;
-    q8 still spills 32 bytes there). Since RMSNorm's factor moved to the epilogue (s20) the first no
-    longer spills, and stays for speed: in TinyLlama q4's fused step with wqkv R1/w8/d4, depth 3 took
-    400.6-401.5 us per token and depth 4 402.9-404.0 (H200, BENCHMARKS.md s21; measured on q4's fp16
-    tensor-core path, before the integer one of s22, and not measured again since)."""
+    q8 still spills 32 bytes there). Since RMSNorm's factor moved to the epilogue the first no longer
+    spills, and stays for speed: depth 3 stepped faster than depth 4 in TinyLlama q4's fused step
+    (kernels/README.md, "Fused MLP")."""
     if shape.encoding == "f16":
         return config
     if shape.input == "rmsnorm_pending" and shape.encoding == "q4" and config.row_tiles == 1 \
@@ -278,9 +278,8 @@ def grid_units(tiles: int, resident_units: int, balanced: bool) -> int:
     """Blocks (clusters with split-K) of a persistent grid: one per row tile, at most as many as stay
     resident. Balanced: the fewest that still walk the tiles in as many rounds, so every block has
     the same number of tiles and the block slots left over take the next kernels' early (PDL) blocks
-    from the start. Which grid is faster depends on the shape (H200, in the decode step: Llama-2-7B
-    q4's gate/up, 688 tiles, 264 -> 230 blocks: -1.3% per token; TinyLlama q4's gate/up, 352 tiles,
-    264 -> 176 blocks: +2.3%), so the tuner decides in the step."""
+    from the start. Which grid is faster depends on the shape (kernels/README.md, "Balanced grid"),
+    so the tuner decides in the step."""
     units = min(tiles, resident_units)
     if balanced:
         rounds = -(-tiles // units)

@@ -11,10 +11,9 @@ of 8 and whose row is a multiple of 64 bytes (can_block) as
             (r - r % 8) * row_bytes + (b // 64) * 512 + (r % 8) * 64 + b % 64
     scales  [rows / 8][groups][8]: scale j of row r at (r - r % 8) * groups + 8 j + r % 8
 
-so those loads read 512 contiguous bytes and the scale loads of 8 rows 16 (gemv.cu's BLOCKED).
-H200, decode step, same process, each side tuned afresh: Llama-2-7B f16 -9.5% per token, Llama-2-7B
-q4 -5.3% and TinyLlama f16 -3.8% (read as if blocked), TinyLlama q4 0 to -2% (BENCHMARKS.md,
-fifteenth session). Other matrices (odd sizes) stay row-major. The file and the NumPy reference keep
+so those loads read 512 contiguous bytes and the scale loads of 8 rows 16 (gemv.cu's BLOCKED;
+the decode step it saves: kernels/README.md, "Blocked layout"). Other matrices (odd sizes) stay
+row-major. The file and the NumPy reference keep
 the row-major layout; the prefill path dequantizes from the blocked form and hands its f16 GEMMs
 (cuBLAS) a row-major copy (unblock_values), which costs f16 prefill one copy of the weights per
 prompt chunk.

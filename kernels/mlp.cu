@@ -6,8 +6,8 @@
 // 8-row blocks: kernels/layout.py) and gemv.cu's loads, arithmetic and input staging.
 //
 // Why. As two GEMVs, the down projection waits until every gate/up block has ended, then for its
-// input's round trip and staging, and adds its own tail: about 3 us per layer on TinyLlama, whose
-// down matrix streams in 1.4 (q4) to 5 us (f16) (BENCHMARKS.md). Here each cluster of MLP_CLUSTER
+// input's round trip and staging, and adds its own tail: on TinyLlama that costs about as much as
+// streaming the down matrix (kernels/README.md, "Fused MLP"). Here each cluster of MLP_CLUSTER
 // blocks owns a slice of 8 * T * MLP_CLUSTER columns of the FFN, so the products depend on each
 // other only inside a cluster:
 //
@@ -25,22 +25,21 @@
 // same total, so decoding stays bit-for-bit repeatable. The embedding and the sampler set it with x,
 // the o projection adds to it and stores the sum in both x (read here) and pending (gemv.cu
 // OUT_ADD_PENDING), and the qkv GEMV and the output head normalise it (IN_RMSNORM_PENDING): they
-// read 8 bytes per element instead of x and the MLP's sums, 12 (H200, s18: TinyLlama q4 -1.7% per
-// token, f16 +0.9%; BENCHMARKS.md).
+// read 8 bytes per element instead of x and the MLP's sums, 12.
 //
 // x is staged by the warps that multiply it: phase 1's warps w of one chunk group (w / TG: the TG
 // warps of the slice's tile groups read the same chunks) stage those chunks between them and meet at
 // a barrier of their own (gemv.cu stage_own_chunks), not the whole block's; the norm factor is read
-// after phase 1 (H200, BENCHMARKS.md s28: TinyLlama q4 -0.6% per token). q8 keeps the block-wide
+// after phase 1 (kernels/README.md, "Fused MLP"). q8 keeps the block-wide
 // staging: with the factor read there nvcc spills its kernels (sm_90).
 //
 // Each warp's items (RT 16-row tiles x a chunk of CW columns, loaded as gemv.cu loads them) run
 // through one ring of DEPTH register slots across both phases, so phase 2's first weights are in
 // flight while phase 1 ends and while the cluster exchanges its values.
 //
-// Measured (H200, TinyLlama, BENCHMARKS.md s17): with RT = 2, TinyLlama q4 -5.1% and f16 -2.2% per
-// token against the two GEMVs; with RT = 1 it lost (phase 1 streamed slower than the tuned gate/up
-// GEMV). The grid is 8 blocks per slice of 256 columns; about 31 such clusters fit at once at two
+// With RT = 2 it beats the two GEMVs on TinyLlama; with RT = 1 it lost (phase 1 streamed slower
+// than the tuned gate/up GEMV; kernels/README.md, "Fused MLP"). The grid is 8 blocks per slice of
+// 256 columns; about 31 such clusters fit at once at two
 // blocks per SM (cuOccupancyMaxActiveClusters), so Llama-2-7B's 43 would need a second round: the
 // tuner tries the kernel only where the grid is at most two blocks per SM (CudaBackend.mlp_candidates).
 #include "gemv.cu"

@@ -57,8 +57,8 @@ class MlpConfig:
         return {"warps": self.warps, "depth": self.depth, "row_tiles": self.row_tiles}
 
 
-# What the tuner tries. Not 16 warps: its 176 blocks need two rounds of 132 SMs (TinyLlama, H200: 8-19%
-# slower per token than 8 warps, BENCHMARKS.md s17).
+# What the tuner tries. Not 16 warps: on TinyLlama its 176 blocks need two rounds of an H200's 132 SMs,
+# and it stepped slower than 8 warps (kernels/README.md, "Fused MLP").
 # Depths as gemv.STEP_DEPTHS: with R = 2, depths 3 and 4 spill (nvcc, sm_90).
 CANDIDATES = tuple(MlpConfig(8, depth, rt) for rt in (1, 2) for depth in STEP_DEPTHS[rt])
 

@@ -4,7 +4,7 @@
 //
 // One block of 1024 threads. Greedy without repetition penalty is one argmax pass, or none where the
 // output head folded the argmax into `head_best` (gemv.cu OUT_STORE_ARGMAX: one 64-bit word, which this
-// kernel reads and clears for the next step whatever it samples; H200, BENCHMARKS.md s19). Otherwise the
+// kernel reads and clears for the next step whatever it samples). Otherwise the
 // steps of sample() run in float64 like the reference: penalty -> (greedy) -> / temperature ->
 // top-k (radix select of the k-th largest value) -> softmax -> top-p (radix descent on the
 // probabilities' bit patterns with per-bin probability sums; ties at the cut kept in id order) ->

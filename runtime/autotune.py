@@ -95,9 +95,9 @@ def pick(times: dict):
 
     Timed alone, R = 1 and R = 2 often tie on small matrices, and which one wins follows noise; in
     the decode step the smaller tiles (twice the blocks) were the faster every time it was measured
-    (H200: TinyLlama q4's wqkv 1,795 vs 1,688-1,689 tok/s for the whole step, q8's wo 1,532 vs
-    1,390). A split-K cluster occupies twice the block slots, which the next kernel's early blocks
-    would otherwise use, so it must win outright; so must a wide block, which takes a whole SM."""
+    (runtime/README.md, "Tuning"). A split-K cluster occupies twice the block slots, which the next
+    kernel's early blocks would otherwise use, so it must win outright; so must a wide block, which
+    takes a whole SM."""
     return min(tied(times), key=lambda config: (config.split, config.wide, config.row_tiles, times[config]))
 
 
@@ -108,17 +108,12 @@ STEP_MARGIN = 0.005
 def step_contest(chosen, times: dict):
     """(incumbent, challengers) to settle in the whole decode step, or None.
 
-    Kernels timed alone mislead in two known ways (H200): a split-K cluster can win alone and still
-    slow the step (TinyLlama q4's down projection: 11% faster alone, 1.4% slower in the step: its
-    second block per tile takes register-file room the next kernel's early blocks would use), so an
-    unsplit configuration is the incumbent against it; and a tie given to fewer row tiles can cost
-    the step (Llama-2-7B q4's gate/up: R = 1 and R = 2 within 3% alone, R = 2 3.2% faster in the
-    step), so every configuration tied with the fastest alone (TIE) challenges the tie's winner. A
-    wide block (16 warps) is held to the same test as split-K: alone, TinyLlama q4's o projection was
-    fastest with R = 1 in wide blocks, which made the step 10% slower. (With only the tie's winner
-    and the fastest alone in the contest, one fresh TinyLlama f16 tuning in five gave the o
-    projection's tie between R = 2 and R = 1 wide blocks to R = 1, which lost to 8 warps in the step,
-    and never tried R = 2 there: 2% slower per token, BENCHMARKS.md s19.)"""
+    Kernels timed alone mislead in two known ways (runtime/README.md, "Tuning"): a split-K cluster
+    can win alone and still slow the step (its second block per tile takes register-file room the
+    next kernel's early blocks would use), so an unsplit configuration is the incumbent against it;
+    and a tie given to fewer row tiles can cost the step, so every configuration tied with the
+    fastest alone (TIE) challenges the tie's winner, not only the fastest. A wide block (16 warps)
+    is held to the same test as split-K: it too can be fastest alone and slow the step."""
     incumbent = chosen
     if chosen.split > 1 or chosen.wide:
         incumbent = pick({c: us for c, us in times.items() if c.split == 1 and not c.wide})
@@ -127,9 +122,9 @@ def step_contest(chosen, times: dict):
 
 
 # A contest's loser is tried again (at other depths, then with its neighbour's depths) only while its
-# best step time is within this fraction of the fastest timed for its role. On one H200 the loser
-# that later won (TinyLlama q4's split-K down projection, s15) was 2.1% behind; R = 1 wide blocks on
-# TinyLlama q4's o projection were 9-14% behind at every depth (s16), and each try costs a step timing.
+# best step time is within this fraction of the fastest timed for its role: the losers that later won
+# were well within it, those far behind never won, and each try costs a step timing
+# (runtime/README.md, "Tuning").
 RIVAL_NEAR = 0.05
 
 
@@ -140,9 +135,8 @@ def near(us: float, times) -> bool:
 
 def confirm_in_step(best: dict, timings: dict, step_us, rounds: int = 1) -> tuple[dict, dict]:
     """Settle each role's contest (step_contest) by the whole step's time, one role at a time, each
-    side timed `rounds` times, alternated (one round since the wide blocks' contests were added: on
-    one H200, two fresh Llama-2-7B q4 tunings with one round stepped as fast as two with two, and
-    took 0.15 s less of a first load; BENCHMARKS.md s16).
+    side timed `rounds` times, alternated (one round: two rounds tuned no faster steps and made a
+    first load slower; runtime/README.md, "Tuning").
 
     best: role -> config picked from kernels timed alone; timings: role -> {config: us alone};
     step_us(tuning) -> GPU microseconds per decode step with that tuning. Returns (the choices,
@@ -168,11 +162,10 @@ def variants_in_step(best: dict, variants: dict, step_us) -> tuple[dict, dict]:
     """Each role's configuration among `variants` by the whole step's time, one role after the
     other (in the order of `variants`).
 
-    Used for what only shows in the step. The ring depth: alone, depths 2 to 8 are within 5%; in the
-    step, where other kernels' blocks run beside it, the best depth moved TinyLlama q4 by 5.8% (H200;
-    gemv.cu says what is known of why). The grid's balance (gemv.grid_units), which changes which
-    block slots the next kernels find free. The ring's refill during the products (gemv.cu REFILL),
-    which won or lost by role and model. variants: role -> the configurations to try (e.g. the
+    Used for what only shows in the step. The ring depth: alone, the depths barely differ; in the
+    step, where other kernels' blocks run beside it, they do (kernels/README.md, "Ring depth"). The
+    grid's balance (gemv.grid_units), which changes which block slots the next kernels find free.
+    The ring's refill during the products (gemv.cu REFILL), which won or lost by role and model. variants: role -> the configurations to try (e.g. the
     role's configuration at each depth, and the loser of its step contest at each depth:
     CudaBackend.depth_options). One replaces the current choice only when the step is faster by
     STEP_MARGIN. Returns (the choices, role -> {config: step us} for every configuration timed)."""
@@ -198,9 +191,8 @@ def moves_in_step(best: dict, moves: list, step_us) -> tuple[dict, dict]:
     choices, {move as a tuple of (role, config): step us}).
 
     For what one role at a time cannot find: in the step, a kernel's configuration interacts with
-    its neighbours' (which blocks can start early beside which). On one H200, TinyLlama q4 tuned to
-    462 us per token with an unsplit down projection and the next layer's wqkv at depth 4, where
-    split-K alone (472) and wqkv at depth 2 alone (469) were slower, but both together 439."""
+    its neighbours' (which blocks can start early beside which): two changes that each slow the
+    step alone can speed it up together (runtime/README.md, "Tuning")."""
     held = {}
     if not moves:
         return best, held
@@ -217,8 +209,8 @@ def tune(candidates: dict, stream, wait_factory, flush=None, early: bool = False
     """candidates: key -> {config: [Launch per layer]}. Returns (key -> chosen config, key -> {config: us}).
 
     early: launch with programmatic dependent launch as the decode graph does, so each layer's
-    launch overlaps the previous one's tail; alone, the ranking can differ (on an H200, TinyLlama's
-    gate/up GEMV timed alone preferred 4 warps, yet 8 warps made the whole step 4% faster)."""
+    launch overlaps the previous one's tail; without it, the ranking can differ from the step's
+    (runtime/README.md, "Tuning")."""
     best, timings = {}, {}
     for key, by_config in candidates.items():
         timings[key] = {config: time_launches(launches, stream, wait_factory, flush, early=early)

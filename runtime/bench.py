@@ -239,14 +239,17 @@ def weight_bytes_per_token(backend) -> int:
     return sum(launch.bytes_read for launch in linears) + backend.embed.bytes_read
 
 
-def run_bench(model, n_tokens: int = 256, prompt_len: int = 16, reps: int = 3, json_path=None) -> dict:
-    backend = model.backend
-    if not hasattr(backend, "graph"):
-        raise BenchError("--bench measures the CUDA backend; run it on a machine with an NVIDIA GPU "
-                         "without --device cpu.")
+def check_bench_room(backend, prompt_len: int, n_tokens: int) -> None:
     if prompt_len + n_tokens > backend.max_context:
         raise BenchError(f"A {prompt_len}-token prompt plus {n_tokens} new tokens exceeds the context of "
                          f"{backend.max_context}; ask for fewer tokens.")
+
+
+def run_bench(model, n_tokens: int = 256, prompt_len: int = 16, reps: int = 3, json_path=None) -> dict:
+    backend = model.backend
+    if not hasattr(backend, "graph"):
+        return run_cpu_bench(model, n_tokens, prompt_len, reps, json_path)
+    check_bench_room(backend, prompt_len, n_tokens)
     prompt = bench_prompt(model, prompt_len)
     timed_generation(backend, prompt, min(n_tokens, 32))            # warm-up
     runs = []
@@ -318,3 +321,54 @@ def format_report(r: dict) -> str:
         lines.append(f"| {k['kernel']} | {k['shape']} | {k['per_token']} | {k['us']:.2f} | {k['us_per_token']:.1f} | "
                      f"{k['gbs']:.0f} | {k['pct_peak']:.1f} |")
     return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------ CPU
+
+def run_cpu_bench(model, n_tokens: int, prompt_len: int = 16, reps: int = 3, json_path=None) -> dict:
+    """--bench on the NumPy backend: decode tokens/s after a short prompt (median of `reps` runs, the
+    first token, which carries the prompt, left out), with the conditions the number depends on: the
+    CPU, its load, the BLAS threads and how much of the model is cached as float32."""
+    import os
+
+    from tinyinfer.runtime.numpy_backend import available_memory_bytes, blas_threads
+
+    backend = model.backend
+    check_bench_room(backend, prompt_len, n_tokens)
+    prompt = bench_prompt(model, prompt_len)
+    timed_generation(backend, prompt, 2)                         # warm-up
+    load_before = os.getloadavg()
+    runs = [steady_rate(timed_generation(backend, prompt, n_tokens)[1], 1) for _ in range(reps)]
+    result = {
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "backend": "numpy", "cpu": cpu_name(), "cores": os.cpu_count(), "blas_threads": blas_threads(),
+        "load_average_before": [round(x, 2) for x in load_before],
+        "load_average_after": [round(x, 2) for x in os.getloadavg()],
+        "mem_available_gib": round((available_memory_bytes() or 0) / 2**30, 1),
+        "model": str(model.tinf.path),
+        "config": {k: model.config[k] for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size")},
+        "float32_mib": round(backend.float32_bytes() / 2**20), "cached_mib": round(backend.cached_bytes() / 2**20),
+        "n_tokens": n_tokens, "prompt_len": prompt_len, "reps": reps,
+        "tok_s": round(statistics.median(runs), 2), "runs_tok_s": [round(r, 2) for r in runs],
+    }
+    print(f"{result['cpu']}, {result['cores']} cores, {result['blas_threads']} BLAS threads, load average "
+          f"{result['load_average_before'][0]} -> {result['load_average_after'][0]}: decode {n_tokens} tokens after a "
+          f"{prompt_len}-token prompt, {reps} runs: {result['tok_s']} tok/s (runs {result['runs_tok_s']}); "
+          f"{result['cached_mib']} of {result['float32_mib']} MiB of float32 weights cached", file=sys.stderr)
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(result, f, indent=2)
+    return result
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or "unknown CPU"

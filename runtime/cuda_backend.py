@@ -52,9 +52,8 @@ from tinyinfer.runtime.weights_upload import data_extent, pinned_empty, upload_w
 
 H2D, D2D = 1, 3
 LOOKAHEAD = 16          # decode steps queued ahead of the token the host is waiting for
-# Decode steps per graph when generating. H200, same tuning, us per token (BENCHMARKS.md s20):
-# TinyLlama q4 401.2-401.9 with one step per graph, 400.5-401.1 with four; f16 691.8-692.3 and
-# 690.4-690.9 (two: 689.1-690.0); Llama-2-7B q4 unchanged.
+# Decode steps per graph when generating: four save a little per token on TinyLlama over one, and
+# more buy nothing measurable (runtime/README.md, "Graphs").
 STEPS_PER_GRAPH = 4
 MARGIN_BYTES = 256 << 20
 GREEDY = SamplingParams()
@@ -279,9 +278,9 @@ class CudaBackend(Backend):
         self.sample_module = sample_k.compile_sampler(cc)
         # NVRTC now, on parallel threads, so its time is not charged to tuning. Functions load lazily,
         # one after the other into device memory, in the order below; loading the split-K kernels
-        # among the others made TinyLlama q4's step 1.2% slower with the same kernels chosen (H200,
-        # BENCHMARKS.md, tenth session), so they load last and the others keep the places they had
-        # before split-K existed. The other ring depths load when the tuner first tries them.
+        # among the others made the step slower with the same kernels chosen (runtime/README.md,
+        # "Load order"), so they load last and the others keep the places they had before split-K
+        # existed. The other ring depths load when the tuner first tries them.
         build.compile_all([*self.gemv_module.modules, self.attn_module, self.misc_module, self.sample_module])
         for shape, config in timed_alone:
             if config.split == 1:
@@ -480,12 +479,11 @@ class CudaBackend(Backend):
         self._flush = self._flush_buffer = None
         best, self.step_contests = autotune.confirm_in_step(best, self.tuning_times, self.step_us)
         # Three stages in the step, each over the roles largest matrix first. The depth: the largest
-        # matrix's moves the step most and changes which depths suit the others (on one H200,
-        # TinyLlama q4 settled at 483 us per token going wqkv first; gate/up first reached 468); the
-        # output head runs once per token, so its depth moves the step by less than the timing noise.
-        # Then the grid: balanced or not changes which block slots the next kernels find free. Then
-        # the ring refilled during the products or after them: on one H200 the refill won on
-        # Llama-2-7B f16's gate/up and down projections and lost on every TinyLlama q4 role.
+        # matrix's moves the step most and changes which depths suit the others (runtime/README.md,
+        # "Tuning"); the output head runs once per token, so its depth moves the step by less than
+        # the timing noise. Then the grid: balanced or not changes which block slots the next kernels
+        # find free. Then the ring refilled during the products or after them, which wins or loses
+        # by role and model (kernels/README.md, "Refill").
         by_size = sorted((r for r in roles if r != "output"), key=lambda r: -self.shapes[r].weight_bytes)
         for options_of in (self.depth_options, self.grid_options, self.refill_options):
             best = self.try_in_step(best, {role: options_of(role, best[role]) for role in by_size})
@@ -513,8 +511,8 @@ class CudaBackend(Backend):
 
     def mlp_candidates(self) -> list:
         """The fused MLP's configurations the tuner tries: none where it cannot run, nor where its
-        blocks do not all fit on the GPU at once at two per SM (Llama-2-7B: 43 clusters of 8; a
-        second round of clusters made its first phase 1.8 times as long, H200, BENCHMARKS.md s17)."""
+        blocks do not all fit on the GPU at once at two per SM (Llama-2-7B: 43 clusters of 8, whose
+        second round of clusters made the first phase much longer; kernels/README.md, "Fused MLP")."""
         shape = self.mlp_shape()
         if shape is None or mlp_k.blocks(shape) > 2 * self.n_sms:
             return []
@@ -544,13 +542,10 @@ class CudaBackend(Backend):
         run a different kernel or grid in the fused step (pending_config, and the grid of that
         kernel's launch).
         The head is the one whose earlier stages skip (its depth moved the unfused step by less
-        than the noise), and in the fused step it moved it most: on one H200, TinyLlama q4 404.2 ->
-        401.7 us per token from R2/w8/d2 to d1 with the balanced grid, and fresh tunings that gave
-        the head's tie between 4 and 8 warps to 4 stepped 1% slower (BENCHMARKS.md s19). The o
-        projection launches just before the fused MLP, whose clusters start early in the SMs it
-        leaves free: TinyLlama f16's split-K R2/w8/d2 (6% behind the fastest alone, so never in its
-        step contest) made the fused step 0.5-0.8% faster than the chosen R2/w16/d2 with one tuning
-        of the other roles, and tied with another (BENCHMARKS.md s21)."""
+        than the noise), and in the fused step it moved it most. The o projection launches just
+        before the fused MLP, whose clusters start early in the SMs it leaves free, so a split-K
+        configuration too slow alone to enter its step contest can still speed up the fused step
+        (runtime/README.md, "Tuning")."""
         shape = self.shapes[role]
         tried = [chosen]
         alone = self.tuning_times.get(role) or {}
@@ -577,9 +572,9 @@ class CudaBackend(Backend):
         """The configurations the depth stage tries for a role: the chosen one and, unless it lost by
         more than autotune.RIVAL_NEAR, the loser of the role's step contest (split-K or a wide block
         against neither, or R = 1 against R = 2), each at every depth. The contest is held at the
-        default depths, where TinyLlama q4's down projection split and unsplit were within 1%, while
-        at the depths chosen later split-K is 4% faster: decided at the contest alone, one fresh
-        tuning in five kept the slower set (H200, BENCHMARKS.md s12)."""
+        default depths, where a split and an unsplit projection can tie while at the depths chosen
+        later one of them is clearly faster: decided at the contest alone, fresh tunings sometimes
+        kept the slower set (runtime/README.md, "Tuning")."""
         shape = self.shapes[role]
         options = gemv_k.depth_variants(shape, chosen)
         contest = self.step_contests.get(role, {})
@@ -593,9 +588,8 @@ class CudaBackend(Backend):
         or a wide block against neither, R = 1 against R = 2) within autotune.RIVAL_NEAR of the
         role's fastest step time, the rival at its fastest timed depth together with each other depth
         of the GEMV after it in the step (the down projection is followed by the next layer's wqkv),
-        whose early blocks start beside its last ones. (H200: TinyLlama q4's joint win was of that
-        kind; the GEMV before it was tried too and never won, in 6 TinyLlama and 3 Llama-2-7B q4
-        tunings.)"""
+        whose early blocks start beside its last ones. (The joint wins found were of that kind; the
+        GEMV before it was tried too and never won: runtime/README.md, "Tuning".)"""
         order = ["wqkv", "wo", "w_gate_up", "w_down"]
         moves = []
         for role, after in zip(order, order[1:] + order[:1]):
@@ -611,13 +605,11 @@ class CudaBackend(Backend):
     def wide_moves(self, best: dict) -> list:
         """The joint moves to wide blocks (gemv.cu WIDE) for autotune.moves_in_step: every role at its
         fastest wide configuration timed alone, at that default depth and at each depth of
-        gemv.STEP_DEPTHS (roles whose row tiles do not have that depth keep theirs). On one H200,
-        TinyLlama f16 took 6% less per token with every GEMV in wide blocks, while no role alone gained
-        more than 1.3%, likely because a wide block takes a whole SM, which a wide block of the kernel
-        before frees at once, and two blocks of 8 warps only when both have ended (BENCHMARKS.md s16).
-        The depths: Llama-2-7B q4 took 1,338-1,345 us per token with every GEMV wide at depth 1 (the
-        head as tuned) against 1,402-1,414 with its tuned set, whose wide move at the default depth
-        had measured 1,421 (s22)."""
+        gemv.STEP_DEPTHS (roles whose row tiles do not have that depth keep theirs). Every GEMV in
+        wide blocks can win where no role alone gains much, likely because a wide block takes a whole
+        SM, which a wide block of the kernel before frees at once, and two blocks of 8 warps only when
+        both have ended; and the wide move pays on Llama-2-7B q4 only at depth 1, not at the default
+        depth (kernels/README.md, "Block width")."""
         wide = {}
         for role, times in self.tuning_times.items():
             timed = {c: us for c, us in times.items() if c.wide}

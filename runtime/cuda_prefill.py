@@ -32,7 +32,7 @@ from tinyinfer.kernels import prefill as prefill_k
 from tinyinfer.runtime import reference as ref
 
 PREFILL_MIN_TOKENS = 16     # shorter prompts go through the decode graph, token by token
-MAX_CHUNK = 2048            # tokens per chunk; measured on an H200, see BENCHMARKS.md ("Prefill")
+MAX_CHUNK = 2048            # tokens per chunk (runtime/README.md, "Prefill")
 CHUNK_ALIGN = 64            # the attention kernel's query tile
 BUFFER_FRACTION = 0.25      # share of the free GPU memory the chunk buffers may take
 

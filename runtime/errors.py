@@ -12,7 +12,13 @@ class DeviceError(TinyInferError):
 
 
 class ContextOverflowError(TinyInferError):
-    """The prompt plus the requested new tokens do not fit in the model's context."""
+    """The prompt plus the requested new tokens do not fit in the model's context. The counts, when
+    known, let a caller name its own fix (a CLI flag, a chat command)."""
+
+    def __init__(self, message: str, prompt_tokens: int | None = None, new_tokens: int | None = None,
+                 context: int | None = None):
+        super().__init__(message)
+        self.prompt_tokens, self.new_tokens, self.context = prompt_tokens, new_tokens, context
 
 
 class ChatTemplateError(TinyInferError):

@@ -85,17 +85,19 @@ def resolve_model(ref: str, token: str | None = None) -> Path:
 
 
 def download(ref: HubRef, token: str | None = None) -> Path:
-    """Fetch ref's .tinf into the Hub cache (or find it there offline); returns its cached path."""
+    """Fetch ref's .tinf into the Hub cache (or find it there when offline); returns its cached path."""
     from huggingface_hub import hf_hub_download
 
-    filename = ref.filename or only_tinf(ref, token)
+    online_files = hub_listing(ref, token)
+    filename = ref.filename or only_tinf(ref, cached_files(ref) if online_files is None else online_files)
     with hub_errors(ref, filename):
-        return Path(hf_hub_download(ref.repo_id, filename, revision=ref.revision, token=token))
+        return Path(hf_hub_download(ref.repo_id, filename, revision=ref.revision, token=token,
+                                    local_files_only=online_files is None))
 
 
-def only_tinf(ref: HubRef, token: str | None) -> str:
-    """The single .tinf file in the repo; a clear error for none or several."""
-    names = sorted(name for name in list_files(ref, token) if name.endswith(".tinf"))
+def only_tinf(ref: HubRef, files: list[str]) -> str:
+    """The single .tinf file among the repo's files; a clear error for none or several."""
+    names = sorted(name for name in files if name.endswith(".tinf"))
     if not names:
         raise HubError(f"{ref} holds no .tinf file; convert the model with tinyconvert --push-to-hub, "
                        f"or run a .tinf file from another repo.")
@@ -106,19 +108,22 @@ def only_tinf(ref: HubRef, token: str | None) -> str:
     return names[0]
 
 
-def list_files(ref: HubRef, token: str | None) -> list[str]:
-    """Files of the repo at ref.revision: from the Hub, or from the local cache when offline."""
+def hub_listing(ref: HubRef, token: str | None) -> list[str] | None:
+    """The repo's files at ref.revision from the Hub, in one request; None when offline or when the Hub
+    cannot be reached. Asking first spares a user without network huggingface_hub's retries of a failed
+    connection (~24 s) in hf_hub_download and list_repo_files."""
     from huggingface_hub import HfApi, constants
     from huggingface_hub.utils import httpx
 
     if constants.HF_HUB_OFFLINE:
-        return cached_files(ref)
+        return None
     try:
         with hub_errors(ref, None):
-            return HfApi().list_repo_files(ref.repo_id, revision=ref.revision, token=token)
+            info = HfApi().model_info(ref.repo_id, revision=ref.revision, token=token,
+                                      timeout=constants.HF_HUB_ETAG_TIMEOUT)
     except httpx.TransportError:
-        # No connection to the Hub: what the cache holds is the best we can do, as hf_hub_download does.
-        return cached_files(ref)
+        return None
+    return [sibling.rfilename for sibling in info.siblings or ()]
 
 
 def cached_files(ref: HubRef) -> list[str]:

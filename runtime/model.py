@@ -19,15 +19,18 @@ NO_GPU = ("No CUDA GPU is available; install tinyinfer[cuda12] or [cuda13] on a 
           "NVIDIA GPU, or run with --device cpu.")
 
 
-def load(path, device: str = "auto", verbose: bool = False, max_context: int | None = None) -> "Model":
-    """Memory-map and validate a .tinf file and pick a backend: "cuda", "cpu", or "auto" (CUDA if usable)."""
+def load(path, device: str = "auto", verbose: bool = False, max_context: int | None = None,
+         weight_cache_bytes: int | None = None) -> "Model":
+    """Memory-map and validate a .tinf file and pick a backend: "cuda", "cpu", or "auto" (CUDA if usable).
+
+    weight_cache_bytes: the CPU backend's memory for float32 weights (default: from the memory available)."""
     path = Path(path).expanduser()
     if path.is_dir():
         raise LoadError(f"{path} is a folder; pass a .tinf file (convert a checkpoint folder with tinyconvert).")
     tinf = open_tinf(path)
     check_model(tinf)
     tokenizer = Tokenizer.from_metadata(tinf.metadata["tokenizer"])
-    backend = make_backend(tinf, device, verbose, max_context)
+    backend = make_backend(tinf, device, verbose, max_context, weight_cache_bytes)
     return Model(tinf, backend, tokenizer)
 
 
@@ -77,7 +80,7 @@ def cuda_backend_class():
     return CudaBackend, None
 
 
-def make_backend(tinf, device: str, verbose: bool, max_context: int | None):
+def make_backend(tinf, device: str, verbose: bool, max_context: int | None, weight_cache_bytes: int | None = None):
     if device not in ("auto", "cpu", "cuda"):
         raise DeviceError(f"Unknown device {device!r}; use auto, cpu or cuda.")
     if device in ("auto", "cuda"):
@@ -88,7 +91,7 @@ def make_backend(tinf, device: str, verbose: bool, max_context: int | None):
             raise DeviceError(why_not)
     from tinyinfer.runtime.numpy_backend import NumpyBackend
 
-    return NumpyBackend(tinf, verbose=verbose, max_context=max_context)
+    return NumpyBackend(tinf, verbose=verbose, max_context=max_context, weight_cache_bytes=weight_cache_bytes)
 
 
 class StopStrings:
@@ -183,7 +186,8 @@ class Model:
         if n_prompt + max_tokens > self.max_context:
             raise ContextOverflowError(
                 f"The prompt ({n_prompt} tokens) plus {max_tokens} new tokens exceeds the model's context of "
-                f"{self.max_context} tokens; shorten the prompt or ask for fewer tokens.")
+                f"{self.max_context} tokens; shorten the prompt or ask for fewer tokens.",
+                prompt_tokens=n_prompt, new_tokens=max_tokens, context=self.max_context)
         return max_tokens
 
     def generate(self, prompt, *, chat: bool | None = None, system: str | None = None,
@@ -226,6 +230,7 @@ class Model:
         if reuse == 0:
             self.backend.reset()
         self.cached_ids, generated = [], []
+        known = None   # what the cache holds when that is not "ids and every token handed out but the last"
         try:
             for token in self.backend.generate_ids(ids[reuse:], reuse, params, n_new, rng):
                 if not generated:
@@ -247,13 +252,21 @@ class Model:
                 yield tail
         except GeneratorExit:     # the caller stopped reading: the cache is still consistent
             raise
+        except KeyboardInterrupt:
+            # Ctrl-C inside the backend: a token is handed out only after the one before it was fed
+            # back, so the rule below holds once a token came; before that, the prompt's prefill may be
+            # half done, and only the reused prefix (positions it never writes) is known.
+            stats["stop_reason"] = "interrupted"
+            if not generated:
+                known = list(ids[:reuse])
+            raise
         except BaseException:
-            generated = None     # the cache state is unknown: the next call starts from scratch
+            known = []           # the cache state is unknown: the next call starts from scratch
             raise
         finally:
             stats["total_s"] = time.perf_counter() - start
             # Every generated token but the last was fed back through the model.
-            self.cached_ids = list(ids) + generated[:-1] if generated is not None else []
+            self.cached_ids = list(ids) + generated[:-1] if known is None else known
 
     def close(self) -> None:
         self.backend.close()

@@ -10,6 +10,8 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 # ../shared beside the checkout; TINYINFER_SHARED overrides it (the GPU machine carries a copy inside the repo).
 SHARED = Path(os.environ.get("TINYINFER_SHARED", REPO.parent / "shared"))
+# Hand-run GPU measurements (tests/perf/README.md), not tests.
+collect_ignore = ["perf"]
 
 
 @pytest.fixture(scope="session")

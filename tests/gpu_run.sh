@@ -36,10 +36,10 @@ if has env; then
     note "gpu: $(nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader)"
 fi
 
-if has ncu; then    # Nsight Compute on representative GEMV and attention launches (tests/gpu_profile.py)
+if has ncu; then    # Nsight Compute on representative GEMV and attention launches (tests/perf/profile_kernels.py)
     timeout ${NCU_TIMEOUT:-150} ncu --clock-control none --section SpeedOfLight --section Occupancy \
         --section WarpStateStats --section LaunchStats -k "regex:gemv|attention" \
-        $PY tests/gpu_profile.py > "$LOGS/ncu.txt" 2>&1
+        $PY tests/perf/profile_kernels.py > "$LOGS/ncu.txt" 2>&1
     grep -E "^  [a-z_]+.*\(|Duration|DRAM Throughput|Achieved Occupancy|Registers Per Thread|Warp Cycles Per Issued|Block Limit Reg|stalled" \
         "$LOGS/ncu.txt" | sed -E 's/ +/ /g' | cut -c1-220 | tee -a "$SUMMARY" | head -n 0
 fi

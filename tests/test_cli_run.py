@@ -48,7 +48,7 @@ def test_prompt_streams_the_same_text_as_the_api(model_path, capsys):
 
 
 def test_quiet_and_seed(model_path, capsys):
-    runs = [tinyrun(capsys, model_path, "-p", "hi", "-n", "15", "-t", "1", "--seed", "5", "-q") for _ in range(2)]
+    runs = [tinyrun(capsys, model_path, "-p", "hi", "-n", "15", "--temp", "1", "--seed", "5", "-q") for _ in range(2)]
     assert runs[0] == runs[1] and runs[0][0] == 0 and runs[0][2] == ""
 
 
@@ -100,7 +100,7 @@ def test_info(model_path, capsys):
     code, out, _ = tinyrun(capsys, "info", model_path)
     assert code == 0
     for needle in ["dim=64", "n_layers=2", "hf-json", "template present", "quant=q4", "layers.*.wqkv", "q4 g64",
-                   "f16", "bits per weight", "source="]:
+                   "f16", "bits/weight", "weights in all tensors", "source="]:
         assert needle in out, needle
 
 

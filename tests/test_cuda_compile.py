@@ -123,7 +123,7 @@ def test_kernel_compiles_with_nvcc(kernel_dir, name, arch):
 @pytest.mark.parametrize("name", ["gemv.cu", "mlp.cu", "attention.cu", "sampling.cu"])
 def test_timeline_probe_compiles(kernel_dir, name):
     """The diagnostic build (TINYINFER_TIMELINE=1 adds -DTI_TIMELINE: per-block timestamps read by
-    tests/gpu_timeline.py) compiles for Hopper, where it is used."""
+    tests/perf/timeline.py) compiles for Hopper, where it is used."""
     source = kernel_dir / f"check_timeline_{name}"
     source.write_text(wrapper(name))
     result = subprocess.run([NVCC, "-std=c++17", "-arch=sm_90a", "-DTI_TIMELINE", "-cubin", "-I", str(kernel_dir),

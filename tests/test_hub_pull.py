@@ -11,6 +11,7 @@ import hashlib
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -139,18 +140,24 @@ def test_offline_errors_are_one_sentence_each(offline_cache):
 
 
 def test_unreachable_hub_falls_back_to_the_cache(offline_cache):
-    """HF_HUB_OFFLINE unset, but nothing answers at HF_ENDPOINT: a cached file still resolves.
-    (An uncached one fails too, but only after huggingface_hub's ~24 s of retries; the offline
-    test above checks that message.)"""
+    """HF_HUB_OFFLINE unset, but nothing answers at HF_ENDPOINT: a cached file still resolves, a cached
+    repo is listed from the cache, and an uncached one fails at once (one request, no retries)."""
     env = hub_env(offline_cache["home"], endpoint=closed_port_url())
-    results = resolve(env, ["org/single/model-q4.tinf"])
+    refs = ["org/single/model-q4.tinf", "org/single", "org/absent", "org/absent/model.tinf"]
+    started = time.monotonic()
+    results = resolve(env, refs)
+    assert time.monotonic() - started < 10          # huggingface_hub's retries would take ~24 s
     assert Path(results["org/single/model-q4.tinf"]["path"]).read_bytes() == offline_cache["one"]
+    assert Path(results["org/single"]["path"]).read_bytes() == offline_cache["one"]
+    for ref in refs[2:]:
+        assert "the Hub cannot be reached" in results[ref]["message"], ref
 
 
 def test_listing_falls_back_to_the_cache_when_the_hub_is_unreachable(offline_cache, monkeypatch):
-    """ORG/REPO needs a file listing; when the connection fails the cached snapshot is listed instead.
-    (In-process, with the listing call failing the way httpx does, to skip the client's retries.)"""
-    from huggingface_hub import HfApi, constants
+    """ORG/REPO needs a file listing; when the connection fails the cached snapshot is listed instead,
+    and the download is looked up in the cache only. (In-process, with the listing call failing the
+    way httpx does, and any further request failing the test.)"""
+    from huggingface_hub import HfApi, constants, file_download
     from huggingface_hub.utils import httpx
 
     from tinyinfer.runtime import hub
@@ -158,13 +165,19 @@ def test_listing_falls_back_to_the_cache_when_the_hub_is_unreachable(offline_cac
     def refuse(*args, **kwargs):
         raise httpx.ConnectError("[Errno 111] Connection refused")
 
+    def no_request(*args, **kwargs):
+        raise AssertionError("a request after the listing failed")
+
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(offline_cache["cache"]))
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
-    monkeypatch.setattr(HfApi, "list_repo_files", refuse)
-    assert sorted(hub.list_files(HubRef("org/multi"), None)) == ["a-q4.tinf", "q8/b-q8.tinf"]
-    assert hub.list_files(HubRef("org/single", revision="v0"), None) == ["model-q4.tinf"]
+    monkeypatch.setattr(HfApi, "model_info", refuse)
+    monkeypatch.setattr(file_download, "get_hf_file_metadata", no_request)
+    with pytest.raises(HubError, match=r"several .tinf files \(a-q4.tinf, q8/b-q8.tinf\)"):
+        hub.download(HubRef("org/multi"))
+    assert hub.download(HubRef("org/single", revision="v0")).read_bytes() == offline_cache["old"]
+    assert hub.download(HubRef("org/single")).read_bytes() == offline_cache["one"]
     with pytest.raises(HubError, match="not in the Hugging Face cache and the Hub cannot be reached"):
-        hub.list_files(HubRef("org/absent"), None)
+        hub.download(HubRef("org/absent"))
 
 
 # ----------------------------------------------------------------------------------------- online
@@ -186,7 +199,7 @@ def test_download_from_the_hub_into_its_cache(hub, tmp_path):
     assert path.read_bytes() == data
     # The cache names the blob by the sha256 the Hub reported for the LFS file.
     assert path.resolve().name == hashlib.sha256(data).hexdigest()
-    assert ("GET", "/api/models/org/tiny/tree/main") in hub.log
+    assert ("GET", "/api/models/org/tiny") in hub.log          # the listing: one request
     assert ("GET", "/org/tiny/resolve/main/tiny-q4.tinf") in hub.log
     # Offline afterwards, the same reference resolves from the cache without the server.
     hub.stop()

@@ -59,7 +59,7 @@ def test_every_fact_in_the_table_matches_the_file(tiny):
     assert rows["size"] == f"{len(data)} bytes ({len(data) / 2**20:.1f} MiB)"
     assert rows["sha256"] == f"`{hashlib.sha256(data).hexdigest()}`"
     assert rows["quantization"] == "q4, group size 32, clipping search"
-    assert rows["bits per weight"] == (f"{expected_bits():.2f} over the whole file, "
+    assert rows["bits per weight"] == (f"{expected_bits():.2f} over all tensors (embeddings and norms included), "
                                        f"{expected_bits({'q4'}):.2f} in the quantized layers (scales included)")
     n_weights = sum(int(np.prod(shape)) for shape, _, _ in TENSORS.values())
     assert rows["weights"] == f"{n_weights:,} (llama, context 128)"

@@ -67,10 +67,9 @@ def test_logits_start_from_an_empty_cache(model):
     np.testing.assert_array_equal(model.logits(ids), first)
 
 
-def test_per_use_dequantization_gives_the_cached_results(random_model_path, model, monkeypatch):
-    monkeypatch.setattr(numpy_backend, "CACHE_BUDGET_BYTES", 0)
-    uncached = load(random_model_path, device="cpu")
-    assert not uncached.backend.cache_weights
+def test_per_use_dequantization_gives_the_cached_results(random_model_path, model):
+    uncached = load(random_model_path, device="cpu", weight_cache_bytes=0)
+    assert not uncached.backend.cached_names and model.backend.cached_names
     ids = list(range(20))
     np.testing.assert_array_equal(uncached.logits(ids), model.logits(ids))
 

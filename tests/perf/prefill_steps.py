@@ -1,7 +1,7 @@
-"""Experiment on a GPU, run by hand (`python3 tests/gpu_exp_prefill.py`; not part of the test suite):
-where one 2048-token prefill's time goes. CUDA events around every step of runtime/cuda_prefill.py
-(GEMMs, dequantization, attention, SwiGLU, RMSNorm, RoPE) of a random-weight TinyLlama and
-Llama-2-7B q4 model; needs TINYINFER_SHARED (or ../shared) for the real configs."""
+"""Run by hand on a GPU (`python3 tests/perf/prefill_steps.py`): where one 2048-token prefill's time goes. CUDA
+events around every step of runtime/cuda_prefill.py (GEMMs, dequantization, attention, SwiGLU, RMSNorm, RoPE)
+of a random-weight TinyLlama and Llama-2-7B q4 model; needs TINYINFER_SHARED (or ../shared) for the real
+configs."""
 import json
 import sys
 import tempfile
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import cupy as cp
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))     # tests/: conftest's SHARED
 from conftest import SHARED  # noqa: E402
 from tinyinfer.kernels import prefill as prefill_k  # noqa: E402
 from tinyinfer.runtime import cuda_prefill, load  # noqa: E402

@@ -1,9 +1,9 @@
-"""Experiment on a GPU, run by hand (`python3 tests/gpu_exp_barrier.py`; not part of the test suite): what
-one dependent step costs as a kernel boundary inside a CUDA graph with programmatic dependent launch
-(what the decode step does now), as a grid-wide barrier inside one persistent kernel (what a
-per-layer or per-step kernel would do instead), and as a wait for one producer block's flag (what a
-kernel with per-tile dependencies would do). Each step, every block writes one value and, after
-the step's synchronisation, reads a value another block wrote: a producer-to-consumer hand-off.
+"""Run by hand on a GPU (`python3 tests/perf/barrier.py`): what one dependent step costs as a kernel boundary
+inside a CUDA graph with programmatic dependent launch (what the decode step does now), as a grid-wide barrier
+inside one persistent kernel (what a per-layer or per-step kernel would do instead), and as a wait for one
+producer block's flag (what a kernel with per-tile dependencies would do). Each step, every block writes one
+value and, after the step's synchronisation, reads a value another block wrote: a producer-to-consumer
+hand-off.
 
 Prints us per step for 132 and 264 blocks of 256 threads (one and two per SM on an H200)."""
 import cupy as cp

@@ -1,6 +1,6 @@
-"""Experiment on a GPU, run by hand (`python3 tests/gpu_timeline.py [SHAPE[:QUANT] ...]`; not part of
-the test suite): a timeline of the decode step inside its CUDA graph, from the per-block timestamps
-that the kernels write when they are built with TINYINFER_TIMELINE=1 (common.cuh: TimelineProbe).
+"""Run by hand on a GPU (`python3 tests/perf/timeline.py [SHAPE[:QUANT] ...] [--twice ROLE]`): a timeline of the
+decode step inside its CUDA graph, from the per-block timestamps that the kernels write when they are built
+with TINYINFER_TIMELINE=1 (common.cuh: TimelineProbe).
 
 Per kernel role it prints medians over layers and steps, in us. Relative to `prev`, the moment the
 previous kernel's last block ended:
@@ -33,8 +33,7 @@ os.environ["TINYINFER_TIMELINE"] = "1"       # before any kernel is compiled
 import cupy as cp  # noqa: E402
 import numpy as np  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_exp_chain import random_backend  # noqa: E402
+from chain import random_backend  # noqa: E402
 from tinyinfer.kernels.build import Launch  # noqa: E402
 from tinyinfer.runtime.bench import graph_step_us  # noqa: E402
 

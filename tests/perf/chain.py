@@ -1,6 +1,6 @@
-"""Experiment on a GPU, run by hand (`python3 tests/gpu_exp_chain.py [tinyllama|llama2-7b ...]`; not part
-of the test suite): where the decode step's time goes inside the CUDA graph, where kernels overlap
-through programmatic dependent launch and per-kernel timings alone do not add up.
+"""Run by hand on a GPU (`python3 tests/perf/chain.py [SHAPE[:QUANT] ...] [--only PART]`): where the decode
+step's time goes inside the CUDA graph, where kernels overlap through programmatic dependent launch and
+per-kernel timings alone do not add up.
 
 For a random-weight model (q4 unless SHAPE:QUANT says otherwise) it replays variants of the step graph and prints us per token:
 the whole step, the step without each kernel role (the difference is that role's share of the
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import cupy as cp
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 from bench_random import SHAPES  # noqa: E402
 from tinyinfer.kernels import attention as attn_k  # noqa: E402
 from tinyinfer.kernels import gemv as gemv_k  # noqa: E402
@@ -277,7 +277,7 @@ def tune_in_graph(b, prompt, tuning) -> None:
 PARTS = [roles_and_grids, null_chains, source_variants, gemv_variants, trigger_variants, tune_in_graph]
 
 if __name__ == "__main__":
-    # python3 tests/gpu_exp_chain.py [SHAPE[:QUANT] ...] [--only PART]   (PART: a function name in PARTS)
+    # python3 tests/perf/chain.py [SHAPE[:QUANT] ...] [--only PART]   (PART: a function name in PARTS)
     args = sys.argv[1:]
     if "--only" in args:
         only = args[args.index("--only") + 1]

@@ -1,18 +1,16 @@
-"""Experiment on a GPU, run by hand (`python3 tests/gpu_exp_mlp_versions.py A B [C ...] SHAPE:QUANT ...`; not
-part of the test suite): versions of the kernel sources (folders, as in gpu_exp_graph_ab.py) compared in
-the decode step with the fused MLP forced in at each of several configurations, the other roles as
-tuned, and the unfused step beside them. A version folder may hold a file `shared_extra` (a number of
-bytes): its fused MLP is then launched with that much more dynamic shared memory than mlp.py's layout,
-for variants that keep something after it. Per configuration the steps are timed in turn (ROUNDS
-times, the order reversed every other round; us per token, range and median, change from the first
-version), and each step is replayed once more from the same state: its logits against the first
+"""Run by hand on a GPU (`python3 tests/perf/mlp_versions.py A B [C ...] SHAPE:QUANT ...`): versions of the
+kernel sources (folders, as in graph_ab.py) compared in the decode step with the fused MLP forced in at each
+of several configurations, the other roles as tuned, and the unfused step beside them. A version folder may
+hold a file `shared_extra` (a number of bytes): its fused MLP is then launched with that much more dynamic
+shared memory than mlp.py's layout, for variants that keep something after it. Per configuration the steps are
+timed in turn (ROUNDS times, the order reversed every other round; us per token, range and median, change from
+the first version), and each step is replayed once more from the same state: its logits against the first
 version's (max |difference|; 0 for a version that only reorders loads)."""
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_exp_chain import random_backend, step_with, time_step, timed_in_turn  # noqa: E402
-from tinyinfer.kernels import mlp as mlp_k  # noqa: E402
+from chain import random_backend, step_with, time_step, timed_in_turn
+from tinyinfer.kernels import mlp as mlp_k
 
 ROUNDS = 4
 CONFIGS = [mlp_k.MlpConfig(8, 2, 2), mlp_k.MlpConfig(8, 1, 2), mlp_k.MlpConfig(8, 4, 1), mlp_k.MlpConfig(8, 2, 1)]

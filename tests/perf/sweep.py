@@ -1,5 +1,5 @@
-"""Experiment on a GPU, run by hand (`python3 tests/gpu_exp_sweep.py SHAPE:QUANT ...`; not part of the test
-suite): what the load-time tuner leaves in the decode step, one role at a time.
+"""Run by hand on a GPU (`python3 tests/perf/sweep.py SHAPE:QUANT ...`): what the load-time tuner leaves in the
+decode step, one role at a time.
 
 From a fresh tuning, every configuration the tuner can choose for a role (gemv.all_configs: each R,
 width, split, depth, grid and refill; for the fused MLP its candidates) is timed in the step with the
@@ -9,13 +9,11 @@ against the tuned step (graph replays after the benchmark's prompt, ROUNDS round
 every other round), and the roles whose best beats the tuned step by more than 0.3% are timed
 together."""
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_exp_chain import random_backend, timed_in_turn  # noqa: E402
-from tinyinfer.kernels import build  # noqa: E402
-from tinyinfer.kernels import gemv as gemv_k  # noqa: E402
-from tinyinfer.kernels import mlp as mlp_k  # noqa: E402
+from chain import random_backend, timed_in_turn
+from tinyinfer.kernels import build
+from tinyinfer.kernels import gemv as gemv_k
+from tinyinfer.kernels import mlp as mlp_k
 
 ROUNDS = 3
 WINS = 0.997             # a role's best counts when its median step is this fraction of the tuned one's
