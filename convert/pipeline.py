@@ -63,7 +63,7 @@ def convert_checkpoint(source, out=None, quant=None, group_size=None, head=None,
     quant, group_size = layer_encoding(specs, group_size)
     out = Path(out) if out is not None else default_output(Path(file).stem if file else source, quant)
     metadata = build_metadata(model, str(source) + (f"/{file}" if file else ""), quant, group_size, scale_search)
-    write_tensors(out, metadata, specs, model.checkpoint, group_size, scale_search, progress)
+    write_tensors(out, metadata, specs, model.checkpoint, scale_search, progress)
     if progress:
         print(summary(out, time.perf_counter() - started), file=sys.stderr)
     return out
@@ -224,22 +224,22 @@ def build_metadata(model: Source, source: str, quant: str, group_size: int, scal
             "provenance": provenance, "autotune": {}}
 
 
-def write_tensors(out: Path, metadata: dict, specs, checkpoint, group_size, scale_search, progress) -> None:
+def write_tensors(out: Path, metadata: dict, specs, checkpoint, scale_search, progress) -> None:
     total = sum(math.prod(spec.shape) for spec in specs)
     with tqdm(total=total, unit="w", unit_scale=True, desc="converting", disable=not progress) as bar:
         with TinfWriter(out, metadata, specs) as writer:
             for spec in specs:
-                writer.write(spec.name, encoded_tensor(checkpoint, spec, group_size, scale_search))
+                writer.write(spec.name, encoded_tensor(checkpoint, spec, scale_search))
                 bar.update(math.prod(spec.shape))
 
 
-def encoded_tensor(checkpoint, spec: TensorSpec, group_size, scale_search):
+def encoded_tensor(checkpoint, spec: TensorSpec, scale_search):
     """The checkpoint's own blocks where they copy exactly (GGUF), else its float values encoded."""
     exact = checkpoint.exact(spec.name, spec.encoding, spec.group) if hasattr(checkpoint, "exact") else None
     weights = exact.to_float32() if exact is not None else checkpoint.load(spec.name)
     assert weights.shape == tuple(spec.shape), (spec.name, weights.shape, spec.shape)
     check_values(spec, weights)
-    return exact if exact is not None else encode(weights, spec.encoding, spec.group or group_size, scale_search)
+    return exact if exact is not None else encode(weights, spec.encoding, spec.group, scale_search)
 
 
 def check_values(spec: TensorSpec, weights: np.ndarray) -> None:
