@@ -25,6 +25,11 @@ MAX_NAME = 64                 # ggml's GGML_MAX_NAME, terminator included
 MAX_KEY = 65535
 MAX_ARRAY_DEPTH = 2           # an array of arrays at most; llama and qwen2 files use none
 MAX_ELEMENTS = 1 << 48        # far beyond any real tensor, far below int64 overflow
+# The reader builds Python objects per array item, tensor and key: bound them far above real files
+# (vocabularies of 262K tokens, ~500K merges, a few thousand tensors) and far below what exhausts memory.
+MAX_ARRAY_ITEMS = 1 << 21
+MAX_TENSORS = 1 << 20
+MAX_KEYS = 1 << 16
 # GGUF value type -> size in bytes of a scalar; 8 is a string, 9 an array.
 SCALAR_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
 STRING, ARRAY = 8, 9
@@ -76,10 +81,12 @@ class LayoutWalker:
         start = self.take(length, what)
         return bytes(self.data[start : start + length])
 
-    def count(self, n: int, min_bytes: int, what: str) -> int:
+    def count(self, n: int, min_bytes: int, what: str, limit: int = MAX_ARRAY_ITEMS) -> int:
         """A declared count of items each at least min_bytes long must fit in what is left."""
         if n > (self.size - self.pos) // min_bytes:
             raise BadFile(f"it declares {n} {what}, more than the {self.size} bytes of the file can hold")
+        if n > limit:
+            raise BadFile(f"it declares {n} {what}, more than the {limit} any real model has")
         return n
 
 
@@ -89,7 +96,7 @@ def check_value(walker: LayoutWalker, value_type: int, key: str, depth: int = 0)
         start = walker.take(SCALAR_SIZES[value_type], f"the value of {key}")
         return struct.unpack_from("<I", walker.data, start)[0] if value_type == UINT32 else None
     if value_type == STRING:
-        walker.string(f"the value of {key}")
+        walker.take(walker.u64(f"the length of {key}"), f"the value of {key}")
         return None
     if value_type != ARRAY:
         raise BadFile(f"metadata key {key} has the unknown value type {value_type}")
@@ -166,8 +173,8 @@ def walk_layout(walker: LayoutWalker, quant_sizes) -> None:
     if version not in VERSIONS:
         raise BadFile(f"it is GGUF version {version} (versions 2 and 3 are read)")
     n_tensors, n_kv = walker.u64("the tensor count"), walker.u64("the metadata count")
-    walker.count(n_kv, MIN_KV_BYTES, "metadata entries")
-    walker.count(n_tensors, MIN_TENSOR_INFO_BYTES, "tensors")
+    walker.count(n_kv, MIN_KV_BYTES, "metadata entries", MAX_KEYS)
+    walker.count(n_tensors, MIN_TENSOR_INFO_BYTES, "tensors", MAX_TENSORS)
     alignment, keys = DEFAULT_ALIGNMENT, set()
     for _ in range(n_kv):
         key, uint_value, value_type = check_key(walker)

@@ -232,6 +232,8 @@ CRAFTED = {
     "string length": (dict(kvs=[kv("general.name", STR, struct.pack("<Q", 10**12) + b"abc")]), "beyond the end"),
     "array length": (dict(kvs=[kv("a", ARR, struct.pack("<IQ", 0, 2**62))]), "items in a"),
     "string array length": (dict(kvs=[kv("a", ARR, struct.pack("<IQ", STR, 2**40))]), "items in a"),
+    "array items": (dict(kvs=[kv("a", ARR, struct.pack("<IQ", 0, 3 << 20))], data=b"\0" * (3 << 20)),
+                    "more than the 2097152 any real model has"),
     "value type": (dict(kvs=[kv("a", 13, b"\0" * 8)]), "unknown value type 13"),
     "array item type": (dict(kvs=[kv("a", ARR, struct.pack("<IQ", 42, 1))]), "unknown value type 42"),
     "nested arrays": (dict(kvs=[kv("a", ARR, struct.pack("<IQ", ARR, 1) + struct.pack("<IQ", ARR, 1)
@@ -310,6 +312,16 @@ def test_semantic_errors_are_refused(tmp_path, monkeypatch, case):
     assert fragment in str(info.value)
     assert_one_sentence(str(info.value))
     assert not list(tmp_path.glob("*.tinf*"))
+
+
+def test_memory_plan_refuses_before_reading_tensors(tmp_path, monkeypatch):
+    from tinyinfer.convert import gguf_checkpoint
+
+    write_gguf(tmp_path / "m.gguf")
+    monkeypatch.setattr(gguf_checkpoint, "available_memory", lambda: 100_000)
+    with pytest.raises(ConvertError, match="needs about .* GiB of memory") as info:
+        convert(tmp_path / "m.gguf", tmp_path / "m.tinf")
+    assert_one_sentence(str(info.value))
 
 
 def test_non_finite_scales_are_refused(tmp_path):
