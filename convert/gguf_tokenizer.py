@@ -78,7 +78,7 @@ def gguf_tokenizer(meta: Metadata, vocab_size: int, path: Path) -> tuple[dict, s
 
 def token_id(meta: Metadata, key: str, n_tokens: int, path: Path) -> int | None:
     value = meta.int(f"tokenizer.ggml.{key}", None, low=-(2**31), high=2**32 - 1)
-    if value is None or (value in (-1, 2**32 - 1) and key != "bos_token_id"):
+    if value is None or value in (-1, 2**32 - 1):
         return None    # llama.cpp writes -1 (or its uint32 form) for "none"
     if not 0 <= value < n_tokens:
         raise ConvertError(f"{path} sets tokenizer.ggml.{key} to {value}, outside its vocabulary of "
