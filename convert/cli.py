@@ -14,10 +14,11 @@ from tinyinfer.formats import TinyInferError
 @click.argument("source")
 @click.option("-o", "--out", type=click.Path(dir_okay=False), default=None,
               help="Output .tinf path (default: <source name>-<quant>.tinf here).")
-@click.option("--quant", type=click.Choice(QUANTS), default="q4", show_default=True,
-              help="Encoding of the linear layers.")
-@click.option("--group-size", type=click.Choice([str(g) for g in GROUP_SIZES]), default="64",
-              show_default=True, help="Columns per quantization scale.")
+@click.option("--quant", type=click.Choice(QUANTS), default=None,
+              help="Encoding of the linear layers [default: q4; for a GGUF file, each matrix keeps its "
+                   "own encoding where tinyinfer holds it exactly].")
+@click.option("--group-size", type=click.Choice([str(g) for g in GROUP_SIZES]), default=None,
+              help="Columns per quantization scale [default: 64; 32 for a GGUF file].")
 @click.option("--head", type=click.Choice(["f16"]), default=None,
               help="Store the output head in f16 instead of quantizing it like the other linears.")
 @click.option("--no-scale-search", is_flag=True, help="Use plain max-abs scales (faster, less accurate).")
@@ -25,15 +26,17 @@ from tinyinfer.formats import TinyInferError
 @click.option("--token", default=None, help="Hugging Face token for gated or private repos.")
 @click.option("--tokenizer", type=click.Path(exists=True, dir_okay=False), default=None,
               help="SentencePiece .model for a llama2.c .bin checkpoint.")
+@click.option("--file", "gguf_name", metavar="NAME.gguf", default=None,
+              help="With a Hub repo id: convert this one GGUF file of the repo.")
 @click.option("--autotune", is_flag=True, help="Tune the kernels on this GPU and store the choices in the file.")
 @click.option("--push-to-hub", "push_repo", metavar="ORG/REPO", default=None,
               help="Then publish the file and a model card on the Hugging Face Hub (see HUB.md).")
 @click.option("--private", is_flag=True, help="With --push-to-hub: create the repo as private.")
 @click.version_option(package_name="tinyinfer", prog_name="tinyconvert", message="%(prog)s %(version)s")
-def main(source, out, quant, group_size, head, no_scale_search, revision, token, tokenizer, autotune, push_repo,
-         private):
-    """Convert SOURCE (a Hub repo id, a local Hugging Face checkpoint folder, or a llama2.c .bin)
-    into one .tinf file."""
+def main(source, out, quant, group_size, head, no_scale_search, revision, token, tokenizer, gguf_name, autotune,
+         push_repo, private):
+    """Convert SOURCE (a Hub repo id, a local Hugging Face checkpoint folder, a .gguf file, or a
+    llama2.c .bin) into one .tinf file."""
     from tinyinfer.convert.push import check_push_options, push_to_hub
     from tinyinfer.runtime.tune_in_file import require_cuda, tune_file
 
@@ -41,9 +44,9 @@ def main(source, out, quant, group_size, head, no_scale_search, revision, token,
         check_push_options(push_repo, private)   # fail before converting, not after
         if autotune:
             require_cuda()
-        path = convert_checkpoint(source, out=out, quant=quant, group_size=int(group_size), head=head,
-                                  scale_search=not no_scale_search, revision=revision, token=token,
-                                  tokenizer=tokenizer, progress=True)
+        path = convert_checkpoint(source, out=out, quant=quant, group_size=int(group_size) if group_size else None,
+                                  head=head, scale_search=not no_scale_search, revision=revision, token=token,
+                                  tokenizer=tokenizer, progress=True, file=gguf_name)
         if autotune:
             key, _ = tune_file(path)
             click.echo(f"stored autotune choices for {key} in {path}", err=True)

@@ -7,6 +7,7 @@ then exactly the shards the index names (or model.safetensors), pinned to the sa
 from __future__ import annotations
 
 import re
+from contextlib import contextmanager
 from pathlib import Path
 
 from tinyinfer.convert.errors import ConvertError, brief
@@ -45,6 +46,29 @@ def commit_of(folder: Path) -> str | None:
 
 def snapshot(repo_id, patterns, revision, token, progress) -> Path:
     from huggingface_hub import snapshot_download
+
+    with hub_errors(repo_id, revision, progress):
+        return Path(snapshot_download(repo_id, revision=revision, token=token, allow_patterns=patterns))
+
+
+def download_file(repo_id: str, filename: str, revision: str | None, token: str | None, progress: bool) -> Path:
+    """One .gguf file of a Hub repo, with huggingface_hub's progress bar; returns its cached path."""
+    from huggingface_hub import errors, hf_hub_download
+
+    if not filename.endswith(".gguf") or ".." in Path(filename).parts or filename.startswith("/"):
+        raise ConvertError(f"--file {filename!r} is not the name of a .gguf file inside the repo; pass a "
+                           f"name such as model-Q4_0.gguf.")
+    with hub_errors(repo_id, revision, progress):
+        try:
+            return Path(hf_hub_download(repo_id, filename, revision=revision, token=token))
+        except errors.RemoteEntryNotFoundError as e:
+            raise ConvertError(f"{repo_id} has no file {filename}; check the name against the repo's file "
+                               f"list on the Hub.") from e
+
+
+@contextmanager
+def hub_errors(repo_id: str, revision: str | None, progress: bool):
+    """huggingface_hub's exceptions as one-sentence ConvertErrors; progress bars off unless wanted."""
     from huggingface_hub import errors
     from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
 
@@ -52,7 +76,7 @@ def snapshot(repo_id, patterns, revision, token, progress) -> Path:
     if not progress:
         disable_progress_bars()
     try:
-        return Path(snapshot_download(repo_id, revision=revision, token=token, allow_patterns=patterns))
+        yield
     except errors.GatedRepoError as e:
         raise ConvertError(f"{repo_id} is gated; accept its terms on huggingface.co and pass "
                            f"--token (or run `hf auth login`).") from e

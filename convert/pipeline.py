@@ -19,6 +19,7 @@ from tqdm import tqdm
 
 from tinyinfer.convert import hub
 from tinyinfer.convert.errors import ConvertError
+from tinyinfer.convert.gguf_checkpoint import GgufCheckpoint, open_gguf
 from tinyinfer.convert.hf import HfCheckpoint, read_hf_config, readme_license, tinf_config
 from tinyinfer.convert.llama2c import Llama2cCheckpoint
 from tinyinfer.convert.tokenizer_files import check_tokenizer, hf_tokenizer, sentencepiece_tokenizer
@@ -29,6 +30,8 @@ from tinyinfer.formats.version import tinyinfer_version
 
 QUANTS = ("q4", "q8", "f16")
 GROUP_SIZES = (32, 64, 128)
+DEFAULT_QUANT, DEFAULT_GROUP = "q4", 64
+GGUF_GROUP = 32           # GGML's Q8_0/Q4_0 blocks: the group that copies them exactly
 HEADS = (None, "f16")
 F16_MAX = 65504.0
 QMAX = {"q4": 7, "q8": 127}
@@ -38,7 +41,7 @@ QMAX = {"q4": 7, "q8": 127}
 class Source:
     """A validated checkpoint plus everything that goes into the metadata beside the tensors."""
 
-    checkpoint: HfCheckpoint | Llama2cCheckpoint
+    checkpoint: HfCheckpoint | Llama2cCheckpoint | GgufCheckpoint
     tokenizer: dict
     chat_template: str | None = None
     generation: dict = field(default_factory=dict)
@@ -46,27 +49,30 @@ class Source:
     revision: str | None = None
 
 
-def convert_checkpoint(source, out=None, quant="q4", group_size=64, head=None, scale_search=True,
-                       revision=None, token=None, tokenizer=None, progress=True) -> Path:
-    """Convert a Hub repo id, a local HF folder or a llama2.c .bin to a .tinf file; returns its path."""
+def convert_checkpoint(source, out=None, quant=None, group_size=None, head=None, scale_search=True,
+                       revision=None, token=None, tokenizer=None, progress=True, file=None) -> Path:
+    """Convert a Hub repo id (with `file`: one .gguf file of it), a local HF folder, a .gguf file or a
+    llama2.c .bin to a .tinf file; returns its path. quant/group_size None: q4 with group 64, and for
+    GGUF input each matrix keeps the file's own encoding where tinyinfer holds it exactly."""
     started = time.perf_counter()
     check_options(quant, group_size, head)
-    out = Path(out) if out is not None else default_output(source, quant)
-    if out.is_dir():
-        raise ConvertError(f"output {out} is a folder; pass a file name such as {out / 'model.tinf'}.")
-    model = open_source(str(source), revision, token, tokenizer, progress)
-    specs = tensor_specs(model.checkpoint.config, quant, group_size, head)
-    metadata = build_metadata(model, str(source), quant, group_size, scale_search)
-    write_tensors(out, metadata, specs, model.checkpoint, group_size, scale_search, progress)
+    if out is not None and Path(out).is_dir():
+        raise ConvertError(f"output {out} is a folder; pass a file name such as {Path(out) / 'model.tinf'}.")
+    model = open_source(str(source), revision, token, tokenizer, progress, file)
+    specs, group_size = encoding_plan(model.checkpoint, quant, group_size, head)
+    quant, group_size = layer_encoding(specs, group_size)
+    out = Path(out) if out is not None else default_output(Path(file).stem if file else source, quant)
+    metadata = build_metadata(model, str(source) + (f"/{file}" if file else ""), quant, group_size, scale_search)
+    write_tensors(out, metadata, specs, model.checkpoint, scale_search, progress)
     if progress:
         print(summary(out, time.perf_counter() - started), file=sys.stderr)
     return out
 
 
 def check_options(quant, group_size, head) -> None:
-    if quant not in QUANTS:
+    if quant is not None and quant not in QUANTS:
         raise ConvertError(f"unknown quantization {quant!r}; choose one of {', '.join(QUANTS)}.")
-    if group_size not in GROUP_SIZES:
+    if group_size is not None and group_size not in GROUP_SIZES:
         raise ConvertError(f"group size {group_size} is not supported; choose 32, 64 or 128.")
     if head not in HEADS:
         raise ConvertError(f"unknown head encoding {head!r}; leave it out or pass f16.")
@@ -81,16 +87,25 @@ def default_output(source, quant: str) -> Path:
     return Path(f"{name}-{quant}.tinf")
 
 
-def open_source(source: str, revision, token, tokenizer, progress) -> Source:
+def open_source(source: str, revision, token, tokenizer, progress, file=None) -> Source:
     path = Path(source).expanduser()
-    if tokenizer is not None and not path.is_file():
+    if tokenizer is not None and (not path.is_file() or path.suffix == ".gguf"):
         raise ConvertError("--tokenizer is only used with llama2.c .bin checkpoints; Hugging Face "
-                           "checkpoints bring their own tokenizer files.")
+                           "checkpoints and GGUF files bring their own tokenizer.")
+    if file is not None and (path.exists() or not hub.looks_like_repo_id(source)):
+        raise ConvertError(f"--file picks one .gguf file of a Hub repo, but {source} is not a repo id; "
+                           f"pass the local file itself as SOURCE.")
     if path.is_dir() or path.is_file():
         if revision is not None:
             raise ConvertError(f"--revision only applies to Hub downloads but {source} is a local path; drop it.")
+        if path.is_file() and path.suffix == ".gguf":
+            return open_gguf_source(path)
         return open_hf(path) if path.is_dir() else open_llama2c(path, tokenizer)
     if hub.looks_like_repo_id(source):
+        if file is not None:
+            model = open_gguf_source(hub.download_file(source, file, revision, token, progress))
+            model.revision = hub.commit_of(model.checkpoint.path.parent) or revision
+            return model
         return open_hub(source, revision, token, progress)
     raise ConvertError(f"{source} is neither an existing folder or .bin file nor a Hub repo id "
                        f"(org/name); check the spelling.")
@@ -129,6 +144,17 @@ def open_llama2c(path: Path, tokenizer) -> Source:
     return Source(checkpoint, tokenizer_meta)
 
 
+def open_gguf_source(path: Path) -> Source:
+    """A .gguf file: config, tensors, tokenizer and chat template all come from the one file."""
+    checkpoint = open_gguf(path)
+    missing = set(checkpoint.sources) - set(tinf_shapes(checkpoint.config))
+    if missing:
+        raise ConvertError(f"{path} has tensors this version cannot store (such as {sorted(missing)[0]}, "
+                           f"from q/k/v biases); convert it with a newer tinyinfer.")
+    return Source(checkpoint, checkpoint.tokenizer, checkpoint.chat_template, checkpoint.generation,
+                  checkpoint.license)
+
+
 def tinf_shapes(config: dict) -> dict[str, tuple[int, ...]]:
     """Every tensor of the .tinf file, in file order, with its logical shape."""
     dim, hd, ffn, vocab = config["dim"], config["head_dim"], config["ffn_dim"], config["vocab_size"]
@@ -163,6 +189,27 @@ def tensor_specs(config: dict, quant: str, group_size: int, head) -> list[Tensor
     return specs
 
 
+def encoding_plan(checkpoint, quant, group_size, head) -> tuple[list[TensorSpec], int]:
+    """Every tensor's encoding: `quant` (default q4) with `group_size` (default 64, 32 for GGUF); a GGUF
+    file without --quant keeps each matrix role in its own encoding where that copies exactly."""
+    gguf = isinstance(checkpoint, GgufCheckpoint)
+    group = group_size or (GGUF_GROUP if gguf else DEFAULT_GROUP)
+    specs = tensor_specs(checkpoint.config, quant or DEFAULT_QUANT, group, head)
+    if gguf:
+        if quant is None:
+            specs = checkpoint.own_encodings(specs, QMAX)
+        note = checkpoint.requantized_note(specs)
+        if note:
+            print(note, file=sys.stderr)
+    return specs, group
+
+
+def layer_encoding(specs, group: int) -> tuple[str, int]:
+    """(encoding, group) of the layers' matrices, recorded as the file's quantization."""
+    spec = next(s for s in specs if s.name.endswith("w_gate_up"))
+    return spec.encoding, spec.group or group
+
+
 def build_metadata(model: Source, source: str, quant: str, group_size: int, scale_search: bool) -> dict:
     provenance = {
         "source": source,
@@ -179,17 +226,22 @@ def build_metadata(model: Source, source: str, quant: str, group_size: int, scal
             "provenance": provenance, "autotune": {}}
 
 
-def write_tensors(out: Path, metadata: dict, specs, checkpoint, group_size, scale_search, progress) -> None:
+def write_tensors(out: Path, metadata: dict, specs, checkpoint, scale_search, progress) -> None:
     total = sum(math.prod(spec.shape) for spec in specs)
     with tqdm(total=total, unit="w", unit_scale=True, desc="converting", disable=not progress) as bar:
         with TinfWriter(out, metadata, specs) as writer:
             for spec in specs:
-                weights = checkpoint.load(spec.name)
-                assert weights.shape == tuple(spec.shape), (spec.name, weights.shape, spec.shape)
-                check_values(spec, weights)
-                writer.write(spec.name, encode(weights, spec.encoding, group_size, scale_search))
-                bar.update(weights.size)
-                del weights
+                writer.write(spec.name, encoded_tensor(checkpoint, spec, scale_search))
+                bar.update(math.prod(spec.shape))
+
+
+def encoded_tensor(checkpoint, spec: TensorSpec, scale_search):
+    """The checkpoint's own blocks where they copy exactly (GGUF), else its float values encoded."""
+    exact = checkpoint.exact(spec.name, spec.encoding, spec.group) if hasattr(checkpoint, "exact") else None
+    weights = exact.to_float32() if exact is not None else checkpoint.load(spec.name)
+    assert weights.shape == tuple(spec.shape), (spec.name, weights.shape, spec.shape)
+    check_values(spec, weights)
+    return exact if exact is not None else encode(weights, spec.encoding, spec.group, scale_search)
 
 
 def check_values(spec: TensorSpec, weights: np.ndarray) -> None:
