@@ -1,5 +1,5 @@
-"""Hugging Face Llama-family checkpoints: config validation and mapping to the tinf config, and
-tensor lookup with Q/K/V and gate/up fused per layer.
+"""Hugging Face Llama-family checkpoints (Llama, Mistral, Qwen2): config validation and mapping to
+the tinf config, and tensor lookup with Q/K/V (and their biases) and gate/up fused per layer.
 
 HF checkpoints already use the rotate-half RoPE row order the runtime expects, so rows are copied
 as they are.
@@ -9,16 +9,17 @@ from __future__ import annotations
 
 import json
 import re
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 import numpy as np
 
 from tinyinfer.convert.errors import ConvertError
 from tinyinfer.convert.safetensors_io import SafetensorsFile
 
-SUPPORTED = ("supported are Llama 1/2/3, TinyLlama and Mistral (without sliding window) "
-             "checkpoints in safetensors")
-MODEL_TYPES = ("llama", "mistral")
+SUPPORTED = ("supported are Llama 1/2/3.x, TinyLlama, SmolLM2, Mistral (with or without a sliding window) "
+             "and Qwen2/Qwen2.5 checkpoints in safetensors")
+MODEL_TYPES = ("llama", "mistral", "qwen2")
+MISTRAL_DEFAULT_WINDOW = 4096   # transformers' MistralConfig default when config.json has no sliding_window
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 # Buffers some old checkpoints saved; they are recomputed at run time.
@@ -57,6 +58,7 @@ def tinf_config(hf: dict) -> dict:
     if head_dim % 2:
         refuse(f"head_dim {head_dim} is odd, which RoPE cannot rotate")
     rope = rope_parameters(hf)
+    max_context = required_int(hf, "max_position_embeddings")
     return {
         "architecture": "llama",
         "dim": dim,
@@ -69,8 +71,10 @@ def tinf_config(hf: dict) -> dict:
         "norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
         "rope_theta": float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
         "rope_scaling": rope_scaling(rope),
-        "max_context": required_int(hf, "max_position_embeddings"),
+        "max_context": max_context,
         "tied_embeddings": bool(hf.get("tie_word_embeddings", False)),
+        "qkv_bias": hf.get("model_type") == "qwen2",
+        "sliding_window": sliding_window(hf, max_context),
     }
 
 
@@ -83,12 +87,39 @@ def refuse_unsupported(hf: dict) -> None:
     activation = hf.get("hidden_act", hf.get("hidden_activation", "silu"))
     if activation != "silu":
         refuse(f"hidden_act {activation!r} is not supported (only silu is)")
-    for key in ("attention_bias", "mlp_bias"):
-        if hf.get(key):
-            refuse(f"{key}=true is not supported (bias-free projections only)")
-    window = hf.get("sliding_window")
-    if model_type == "mistral" and window is not None and window < hf.get("max_position_embeddings", 0):
-        refuse(f"sliding-window attention (sliding_window {window}) is not supported")
+    if hf.get("mlp_bias"):
+        refuse("mlp_bias=true is not supported (MLP projections without biases only)")
+    if hf.get("attention_bias") and model_type != "qwen2":
+        refuse("attention_bias=true is not supported for this model type (it also puts a bias on the "
+               "output projection; only Qwen2's Q/K/V biases are read)")
+
+
+def sliding_window(hf: dict, max_context: int) -> int | None:
+    """The attention window every layer uses (None: full causal attention), as transformers reads it:
+    Mistral's sliding_window (4096 when the key is absent), Qwen2's only with use_sliding_window and
+    then for the layers from max_window_layers on (or as layer_types says). A window as long as the
+    context changes nothing, so it is dropped."""
+    model_type = hf.get("model_type")
+    if model_type == "mistral":
+        window = hf["sliding_window"] if "sliding_window" in hf else MISTRAL_DEFAULT_WINDOW
+    elif model_type == "qwen2" and hf.get("use_sliding_window"):
+        window = hf.get("sliding_window", MISTRAL_DEFAULT_WINDOW)
+        n_layers = required_int(hf, "num_hidden_layers")
+        first = hf.get("max_window_layers", 28)
+        kinds = hf.get("layer_types") or ["sliding_attention" if i >= first else "full_attention"
+                                          for i in range(n_layers)]
+        if window is not None and set(kinds) != {"sliding_attention"}:
+            if "sliding_attention" in kinds:
+                refuse("some layers use a sliding window and others full attention (layer_types), "
+                       "which is not supported")
+            window = None
+    else:
+        return None
+    if window is None:
+        return None
+    if not isinstance(window, int) or isinstance(window, bool) or window < 1:
+        refuse(f"sliding_window {window!r} is not a positive integer")
+    return window if window < max_context else None
 
 
 def rope_parameters(hf: dict) -> dict:
@@ -135,6 +166,8 @@ def source_names(config: dict) -> dict[str, list[str]]:
         p = f"model.layers.{i}."
         names[f"layers.{i}.attn_norm"] = [p + "input_layernorm.weight"]
         names[f"layers.{i}.wqkv"] = [p + f"self_attn.{x}_proj.weight" for x in "qkv"]
+        if config["qkv_bias"]:
+            names[f"layers.{i}.bqkv"] = [p + f"self_attn.{x}_proj.bias" for x in "qkv"]
         names[f"layers.{i}.wo"] = [p + "self_attn.o_proj.weight"]
         names[f"layers.{i}.ffn_norm"] = [p + "post_attention_layernorm.weight"]
         names[f"layers.{i}.w_gate_up"] = [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]
@@ -165,6 +198,9 @@ def source_shapes(config: dict) -> dict[str, tuple[int, ...]]:
             p + "mlp.up_proj.weight": (ffn, dim),
             p + "mlp.down_proj.weight": (dim, ffn),
         })
+        if config["qkv_bias"]:
+            shapes.update({p + "self_attn.q_proj.bias": (q_rows,), p + "self_attn.k_proj.bias": (kv_rows,),
+                           p + "self_attn.v_proj.bias": (kv_rows,)})
     return shapes
 
 
@@ -182,15 +218,16 @@ def open_shards(folder: Path) -> dict[str, SafetensorsFile]:
 
 
 def index_weight_map(folder: Path) -> dict[str, str]:
-    """The index's tensor -> shard file map, with every shard name checked to stay inside `folder`."""
+    """The index's tensor -> shard file map, with every shard name checked to stay inside `folder` by
+    name: no absolute path, no '..' component. Where a name's file resolves to is not checked: in the
+    Hub cache every shard is a link into ../../blobs/."""
     index_path = folder / INDEX_FILE
     weight_map = read_json(index_path).get("weight_map")
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
         raise ConvertError(f"{index_path} has no weight_map of tensor name to file; re-download it.")
     for filename in set(weight_map.values()):
-        path = (folder / filename).resolve()
-        if (folder.resolve() not in path.parents or Path(filename).is_absolute()
-                or not filename.endswith(".safetensors")):
+        name = PurePosixPath(filename.replace("\\", "/"))
+        if not name.parts or name.is_absolute() or ".." in name.parts or not filename.endswith(".safetensors"):
             raise ConvertError(f"{index_path} names shard {filename!r}, which is not a .safetensors "
                                f"file inside {folder}; fix the index.")
     return weight_map

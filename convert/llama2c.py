@@ -54,6 +54,7 @@ class Llama2cCheckpoint:
             "n_kv_heads": n_kv_heads, "head_dim": dim // n_heads, "ffn_dim": hidden,
             "vocab_size": vocab, "norm_eps": NORM_EPS, "rope_theta": ROPE_THETA,
             "rope_scaling": None, "max_context": seq_len, "tied_embeddings": self.shared,
+            "qkv_bias": False, "sliding_window": None,
         }
         self.offsets = self.layout()
         expected = self.offsets.pop("end")

@@ -161,18 +161,20 @@ def tinf_shapes(config: dict) -> dict[str, tuple[int, ...]]:
     qkv_rows = (config["n_heads"] + 2 * config["n_kv_heads"]) * hd
     shapes = {"tok_embeddings": (vocab, dim)}
     for i in range(config["n_layers"]):
-        shapes.update({f"layers.{i}.attn_norm": (dim,), f"layers.{i}.wqkv": (qkv_rows, dim),
-                       f"layers.{i}.wo": (dim, config["n_heads"] * hd), f"layers.{i}.ffn_norm": (dim,),
+        shapes.update({f"layers.{i}.attn_norm": (dim,), f"layers.{i}.wqkv": (qkv_rows, dim)})
+        if config.get("qkv_bias"):
+            shapes[f"layers.{i}.bqkv"] = (qkv_rows,)
+        shapes.update({f"layers.{i}.wo": (dim, config["n_heads"] * hd), f"layers.{i}.ffn_norm": (dim,),
                        f"layers.{i}.w_gate_up": (2 * ffn, dim), f"layers.{i}.w_down": (dim, ffn)})
     shapes.update({"norm": (dim,), "output": (vocab, dim)})
     return shapes
 
 
 def tensor_encoding(name: str, quant: str, head) -> str:
-    """Embeddings f16, norms f32, the head f16 on request, every other matrix `quant`."""
+    """Embeddings f16, norms and biases f32, the head f16 on request, every other matrix `quant`."""
     if name == "tok_embeddings":
         return "f16"
-    if name.endswith("norm"):
+    if name.endswith(("norm", "bqkv")):
         return "f32"
     if name == "output" and head == "f16":
         return "f16"

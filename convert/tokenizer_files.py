@@ -1,7 +1,9 @@
 """Tokenizer, chat template and generation defaults gathered into .tinf metadata.
 
-The tokenizer files are embedded verbatim (tokenizer.json as text, tokenizer.model as bytes) so the
-runtime needs nothing beside the .tinf file.
+The tokenizer is embedded so the runtime needs nothing beside the .tinf file: tokenizer.json as
+transformers' AutoTokenizer builds it from the checkpoint's files (convert/transformers_tokenizer.py:
+for Llama 2 tokenizers that is not the file as written), or the SentencePiece tokenizer.model as
+bytes where there is no tokenizer.json.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ import json
 from pathlib import Path
 
 from tinyinfer.convert.errors import ConvertError, brief
+from tinyinfer.convert.transformers_tokenizer import CLASS_DEFAULTS, tokenizer_class, transformers_tokenizer_json
 
 SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token")
 GENERATION_KEYS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "max_new_tokens", "do_sample")
@@ -57,10 +60,15 @@ def chat_template(folder: Path, tokenizer_config: dict) -> str | None:
     return template if isinstance(template, str) else None
 
 
-def special_tokens(tokenizer_config: dict, special_map: dict) -> dict[str, str]:
+def special_tokens(tokenizer_config: dict, special_map: dict, defaults: dict) -> dict[str, str]:
+    """The named special tokens a chat template sees: tokenizer_config.json's, else
+    special_tokens_map.json's, else the tokenizer class's defaults (an explicit null stays unset)."""
     tokens = {}
     for key in SPECIAL_TOKENS:
-        text = token_text(tokenizer_config.get(key)) or token_text(special_map.get(key))
+        if key in tokenizer_config:
+            text = token_text(tokenizer_config[key])
+        else:
+            text = token_text(special_map.get(key)) or defaults.get(key)
         if text is not None:
             tokens[key] = text
     return tokens
@@ -76,15 +84,20 @@ def hf_tokenizer(folder: Path, hf_config: dict) -> tuple[dict, str | None, dict]
     generation_config = load_json(folder / "generation_config.json")
     eos_ids = token_ids(hf_config.get("eos_token_id")) + token_ids(generation_config.get("eos_token_id"))
     bos_ids = token_ids(hf_config.get("bos_token_id")) or token_ids(generation_config.get("bos_token_id"))
-    add_bos = tokenizer_config.get("add_bos_token")
+    tokenizer_json, defaults = None, {}
+    if json_path.is_file():
+        written = json_path.read_text(encoding="utf-8")
+        model_type = hf_config.get("model_type")
+        tokenizer_json = transformers_tokenizer_json(written, tokenizer_config, model_type)
+        defaults = CLASS_DEFAULTS.get(tokenizer_class(model_type, tokenizer_config, written), {})
     tokenizer = {
         "kind": "hf-json" if json_path.is_file() else "sentencepiece",
-        "tokenizer_json": json_path.read_text(encoding="utf-8") if json_path.is_file() else None,
+        "tokenizer_json": tokenizer_json,
         "tokenizer_model": model_path.read_bytes() if model_path.is_file() else None,
         "bos_id": bos_ids[0] if bos_ids else None,
         "eos_ids": sorted(set(eos_ids)),
-        "add_bos": bool(add_bos) if add_bos is not None else default_add_bos(json_path),
-        "special_tokens": special_tokens(tokenizer_config, load_json(folder / "special_tokens_map.json")),
+        "add_bos": adds_bos(tokenizer_config, tokenizer_json),
+        "special_tokens": special_tokens(tokenizer_config, load_json(folder / "special_tokens_map.json"), defaults),
     }
     if tokenizer["kind"] == "sentencepiece":
         tokenizer["special_tokens"] = {**sentencepiece_special_tokens(tokenizer["tokenizer_model"]),
@@ -93,13 +106,26 @@ def hf_tokenizer(folder: Path, hf_config: dict) -> tuple[dict, str | None, dict]
     return tokenizer, chat_template(folder, tokenizer_config), generation
 
 
-def default_add_bos(json_path: Path) -> bool:
-    """Without add_bos_token in tokenizer_config.json, do what the tokenizer itself does: tokenizer.json's
-    post-processor adds BOS when its single-sequence template starts with a special token (Llama does,
-    Qwen-style tokenizers do not); a bare sentencepiece model (Llama 1/2) adds it."""
-    if not json_path.is_file():
+def adds_bos(tokenizer_config: dict, tokenizer_json: str | None) -> bool:
+    """Whether encoding prepends BOS, as transformers decides: with add_bos_token or add_eos_token in
+    tokenizer_config.json, add_bos_token (false when absent); else what the tokenizer's post-processor
+    does (default_add_bos)."""
+    if "add_bos_token" in tokenizer_config or "add_eos_token" in tokenizer_config:
+        return bool(tokenizer_config.get("add_bos_token"))
+    return default_add_bos(tokenizer_json)
+
+
+def default_add_bos(tokenizer_json: str | None) -> bool:
+    """What the tokenizer itself does: tokenizer.json's post-processor adds BOS when its single-sequence
+    template starts with a special token (Llama does, Qwen-style tokenizers do not); a bare
+    sentencepiece model (Llama 1/2, llama2.c) adds it, as Llama's SentencePiece tokenizers always did."""
+    if tokenizer_json is None:
         return True
-    processor = load_json(json_path).get("post_processor") or {}
+    try:
+        parsed = json.loads(tokenizer_json)
+    except json.JSONDecodeError as e:
+        raise ConvertError(f"cannot parse tokenizer.json ({e}); fix or re-download that file.") from e
+    processor = (parsed.get("post_processor") if isinstance(parsed, dict) else None) or {}
     processors = processor.get("processors", [processor]) if processor.get("type") == "Sequence" else [processor]
     for step in processors:
         if step.get("type") == "TemplateProcessing":

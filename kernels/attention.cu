@@ -8,6 +8,8 @@
 //
 // Data: qkv [(n_heads + 2 n_kv) * hd] f32 (q heads, then k, then v); k_cache / v_cache
 // [max_ctx][n_kv][hd] fp16; rope tables [max_ctx][hd/2] (rotate-half); out [n_heads * hd] f32.
+// The query at pos attends to the cached rows first_key(pos, window) .. pos: all of them, or with a
+// sliding window (Mistral, Qwen2) the last `window`; each kernel lays its rows out from there.
 //
 // Grid (n_kv, S), up to ATT_THREADS threads per block (threads_for in attention.py). Block (kvh, s) serves the `group` query heads that
 // share KV head kvh over slice s of the context, so every K/V row is read once for all heads of its
@@ -63,6 +65,13 @@
 
 TI_DEVICE int ceil_div(int a, int b) {
     return (a + b - 1) / b;
+}
+
+// The first cached row the query at pos attends to: 0, or with a sliding window of `window` > 0
+// positions (Mistral, Qwen2) pos - window + 1 (runtime/reference.py first_key). Every kernel walks
+// rows first_key .. pos, so a windowed step reads at most `window` rows however long the context.
+TI_DEVICE int first_key(int pos, int window) {
+    return window > 0 ? max(0, pos - window + 1) : 0;
 }
 
 // ------------------------------------------------------------------------------- staging rows
@@ -317,6 +326,7 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS, 2) ATT_CLUSTER_DIMS at
     float* __restrict__ part_o,           // global merge: [n_heads][S][hd] unnormalised partial outputs
     float* __restrict__ part_ml,          // global merge: [n_heads][S][2] partial (max, sum), log2 domain
     unsigned int* __restrict__ counters,  // global merge: [n_kv] zero between launches
+    int window,                           // sliding window (positions), 0: full causal attention
     float* __restrict__ out)              // [n_heads * hd]
 {
     TI_PROBE;
@@ -327,14 +337,14 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS, 2) ATT_CLUSTER_DIMS at
     // previous kernel's output) waits; the staging copies overlap that kernel's tail.
     pdl_launch_dependents();
     const int pos = state[STATE_POS];
-    const int len = pos + 1;
+    const int len = pos + 1, lo = first_key(pos, window);
 
-    // This block's slice [begin, end): empty for s >= active, which on the cluster path still takes
-    // part in the merge.
-    const int per_slice = ceil_div(ceil_div(len, S), ATT_GRANULE) * ATT_GRANULE;
-    const int active = ceil_div(len, per_slice);
+    // This block's slice [begin, end) of the rows lo .. pos: empty for s >= active, which on the
+    // cluster path still takes part in the merge.
+    const int per_slice = ceil_div(ceil_div(len - lo, S), ATT_GRANULE) * ATT_GRANULE;
+    const int active = ceil_div(len - lo, per_slice);
     if (!ATT_USE_CLUSTER && s >= active) return;
-    const int begin = min(len, s * per_slice), end = min(len, begin + per_slice);
+    const int begin = min(len, lo + s * per_slice), end = min(len, begin + per_slice);
     const int stage = ATT_STAGE_HALVES / hd;                  // rows staged at once
     const int stride = hd + 8;                                // staged row length (halves), bank padding
     const int pieces = hd >> 3;
@@ -522,6 +532,7 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS, 2) attention_rows(
     const float* __restrict__ rope_sin,
     int n_heads, int n_kv, int hd, int max_ctx,
     int group_rows,                       // rows per lane group per pass, <= ATT_ROW_REGS
+    int window,                           // sliding window (positions), 0: full causal attention
     float* __restrict__ out)              // [n_heads * hd]
 {
     TI_PROBE;
@@ -553,16 +564,16 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS, 2) attention_rows(
         }
     };
     pdl_launch_dependents();
-    const int pos = state[STATE_POS], len = pos + 1;
-    // The first pass: cached rows below pos only. The wait is made to depend (by a branch no
-    // compiler can resolve, always taken) on the last row loaded: else ptxas schedules
+    const int pos = state[STATE_POS], len = pos + 1, lo = first_key(pos, window);
+    // The first pass (from row lo): cached rows below pos only. The wait is made to depend (by a
+    // branch no compiler can resolve, always taken) on the last row loaded: else ptxas schedules
     // griddepcontrol.wait right after the load of pos, above these loads, whose addresses need
     // pos (seen in the SASS; tests/test_cuda_compile.py checks it).
     int last_loaded = -1;
 #pragma unroll
     for (int i = 0; i < ATT_ROW_REGS; ++i) {
         if (i >= group_rows) break;
-        const int r = lg + i * RG;
+        const int r = lo + lg + i * RG;
         if (r < pos) {
             kr[i] = load_cached_piece(k_src + (u32)r * row_stride);
             vr[i] = load_cached_piece(v_src + (u32)r * row_stride);
@@ -606,7 +617,7 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS, 2) attention_rows(
                 vr[i] = v_new;
             }
     };
-    place_new_row(0);
+    place_new_row(lo);
     TI_TOUCH(__float_as_uint(q[0]));
     TI_MARK(2);                                                   // q has landed (thread 0)
 #ifdef TI_TIMELINE
@@ -614,7 +625,7 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS, 2) attention_rows(
         u32 sink = 0u;
 #pragma unroll
         for (int i = 0; i < ATT_ROW_REGS; ++i)
-            if (i < group_rows && lg + i * RG < pos) sink ^= kr[i].x ^ vr[i].w;
+            if (i < group_rows && lo + lg + i * RG < pos) sink ^= kr[i].x ^ vr[i].w;
         asm volatile("" ::"r"(sink));
         __syncthreads();
     }
@@ -622,8 +633,9 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS, 2) attention_rows(
     TI_MARK(3);                                                   // every first-pass row has landed
 
     float m = -TI_INF, l = 0.f, o[8] = {};
-    for (int first = 0; first < len; first += group_rows * RG) {
-        if (first != 0) {
+    bool later = false;                  // a pass after the first (a predicate: lo held in a register spilled)
+    for (int first = lo; first < len; first += group_rows * RG, later = true) {
+        if (later) {
             load_rows(first);
             place_new_row(first);
         }
@@ -790,7 +802,7 @@ template <int HD>
 TI_DEVICE void attention_mma_body(const float* __restrict__ qkv, __half* __restrict__ k_cache,
                                   __half* __restrict__ v_cache, const int* __restrict__ state,
                                   const float* __restrict__ rope_cos, const float* __restrict__ rope_sin,
-                                  int n_heads, int n_kv, int max_ctx, float* __restrict__ out) {
+                                  int n_heads, int n_kv, int max_ctx, int window, float* __restrict__ out) {
     constexpr int PIECES = HD / 32;          // 16-byte pieces of a row per lane
     constexpr int BLOCKS = 128 / HD;         // 16-row blocks per warp per pass
     constexpr int WARP_ROWS = 16 * BLOCKS;
@@ -816,8 +828,8 @@ TI_DEVICE void attention_mma_body(const float* __restrict__ qkv, __half* __restr
     uint4 kr[BLOCKS][2][PIECES], vr[BLOCKS][2][PIECES];
 
     pdl_launch_dependents();
-    const int pos = state[STATE_POS], len = pos + 1;
-    // The first pass: cached rows below pos (the others are zeros: 0 * NaN would poison the
+    const int pos = state[STATE_POS], len = pos + 1, lo = first_key(pos, window);
+    // The first pass (from row lo): cached rows below pos (the others are zeros: 0 * NaN would poison the
     // products; row pos is this step's, placed below). As in attention_rows, the loads sit in
     // branches of a loop with a bound the compiler cannot resolve (never reached: rows past the
     // cache are not below pos) and the wait depends on the last row loaded: else ptxas predicates
@@ -834,7 +846,7 @@ TI_DEVICE void attention_mma_body(const float* __restrict__ qkv, __half* __restr
 #pragma unroll
     for (int bn = 0; bn < 2 * BLOCKS; ++bn) {
         if (bn >= opaque_tiles) break;
-        const int b = bn >> 1, n = bn & 1, r = row_of(0, b, n);
+        const int b = bn >> 1, n = bn & 1, r = row_of(lo, b, n);
         if (r < pos) {
 #pragma unroll
             for (int i = 0; i < PIECES; ++i) {
@@ -847,7 +859,7 @@ TI_DEVICE void attention_mma_body(const float* __restrict__ qkv, __half* __restr
     asm volatile("" : "+r"(last_loaded));                    // opaque: the branch below stays
     // Blocks holding rows (block `slice` holds row block `slice`): one alone writes the output as
     // without the split; else all S meet in the merge (every block of a cluster calls its barriers).
-    const int active = min(S, (len + WARP_ROWS - 1) / WARP_ROWS);
+    const int active = min(S, (len - lo + WARP_ROWS - 1) / WARP_ROWS);
     if (active == 1 && slice > 0) return;
     // The position's RoPE rows, before the wait too (read-only tables): after it, only this step's
     // q, k and v are read (kernels/README.md, "Attention kernels").
@@ -907,7 +919,7 @@ TI_DEVICE void attention_mma_body(const float* __restrict__ qkv, __half* __restr
                         vr[b][n][i] = v_new[i];
                     }
     };
-    place_new_row(0);
+    place_new_row(lo);
     TI_MARK(2);                                                   // q has landed (thread 0)
     TI_MARK(3);
 
@@ -915,9 +927,9 @@ TI_DEVICE void attention_mma_body(const float* __restrict__ qkv, __half* __restr
     float o[TILES][4];                       // C fragments of p . V: rows g (P hi) and g + 8 (P lo)
 #pragma unroll
     for (int j = 0; j < TILES; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
-    for (int first = 0; first < len; first += S * PASS_ROWS) {
+    for (int first = lo; first < len; first += S * PASS_ROWS) {
         if (first + kv_warp * WARP_ROWS >= len) break;            // (uniform across the warp)
-        if (first != 0) {                    // later passes: rows below len except pos (this step's)
+        if (first != lo) {                    // later passes: rows below len except pos (this step's)
 #pragma unroll
             for (int b = 0; b < BLOCKS; ++b)
 #pragma unroll
@@ -1049,8 +1061,9 @@ TI_DEVICE void attention_mma_body(const float* __restrict__ qkv, __half* __restr
     extern "C" __global__ void __launch_bounds__(32 * MMA_WARPS, 1) attention_mma##HD(                        \
         const float* __restrict__ qkv, __half* __restrict__ k_cache, __half* __restrict__ v_cache,            \
         const int* __restrict__ state, const float* __restrict__ rope_cos, const float* __restrict__ rope_sin, \
-        int n_heads, int n_kv, int max_ctx, float* __restrict__ out) {                                        \
-        attention_mma_body<HD>(qkv, k_cache, v_cache, state, rope_cos, rope_sin, n_heads, n_kv, max_ctx, out);\
+        int n_heads, int n_kv, int max_ctx, int window, float* __restrict__ out) {                            \
+        attention_mma_body<HD>(qkv, k_cache, v_cache, state, rope_cos, rope_sin, n_heads, n_kv, max_ctx,      \
+                               window, out);                                                                  \
     }
 TI_ATTENTION_MMA(64)
 TI_ATTENTION_MMA(128)

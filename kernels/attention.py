@@ -180,18 +180,21 @@ def compile_attention(compute_capability: int, cluster: bool):
 
 def make_attention(mod, n_heads: int, n_kv_heads: int, head_dim: int, slices: int, threads: int, qkv, k_cache,
                    v_cache, state, rope_cos, rope_sin, part_o, part_ml, counters, out, kv_bytes: int = 0,
-                   kernel: str = "attention") -> Launch:
+                   kernel: str = "attention", window: int | None = None) -> Launch:
     """One layer's attention. k_cache/v_cache: this layer's [max_context, n_kv, head_dim] fp16 views;
     part_o/part_ml/counters serve the chunked kernel's global merge (GPUs before Hopper).
     kernel "attention_rows" (see plan) takes a block per query head and none of the merge buffers;
-    "attention_mma64/128" `slices` blocks per KV head (a cluster) and none of them."""
+    "attention_mma64/128" `slices` blocks per KV head (a cluster) and none of them. window: the sliding
+    window in positions (Mistral, Qwen2), None for full causal attention."""
     check_shape(n_heads, n_kv_heads, head_dim, threads)
     head_args = (np.int32(n_heads), np.int32(n_kv_heads), np.int32(head_dim))
+    window_arg = np.int32(window or 0)           # 0: full causal attention
     if kernel.startswith("attention_mma"):
         if kernel != f"attention_mma{head_dim}" or not mma_fits(n_heads, n_kv_heads, head_dim):
             raise ValueError(f"{kernel} does not serve {n_heads} query heads over {n_kv_heads} KV heads of {head_dim} "
                              "dims")
-        args = (qkv, k_cache, v_cache, state, rope_cos, rope_sin, *head_args[:2], np.int32(k_cache.shape[0]), out)
+        args = (qkv, k_cache, v_cache, state, rope_cos, rope_sin, *head_args[:2], np.int32(k_cache.shape[0]),
+                window_arg, out)
         return Launch("attention", mod.get_function(kernel), (n_kv_heads * slices,), (MMA_THREADS,), args,
                       mma_shared_bytes(n_heads, n_kv_heads, head_dim, slices), bytes_read=kv_bytes, waits=True,
                       cluster=slices)
@@ -200,16 +203,16 @@ def make_attention(mod, n_heads: int, n_kv_heads: int, head_dim: int, slices: in
             raise ValueError(f"attention_rows runs a block per query head: {n_heads // n_kv_heads} per KV head, "
                              f"not {slices}")
         args = (qkv, k_cache, v_cache, state, rope_cos, rope_sin, *head_args, np.int32(k_cache.shape[0]),
-                np.int32(rows_per_lane_group(head_dim, threads)), out)
+                np.int32(rows_per_lane_group(head_dim, threads)), window_arg, out)
         return Launch("attention", mod.get_function(kernel), (n_kv_heads, slices), (threads,), args, 0,
                       bytes_read=kv_bytes, waits=True)
-    args = (qkv, k_cache, v_cache, state, rope_cos, rope_sin, *head_args, part_o, part_ml, counters, out)
+    args = (qkv, k_cache, v_cache, state, rope_cos, rope_sin, *head_args, part_o, part_ml, counters, window_arg, out)
     return Launch("attention", mod.get_function("attention"), (n_kv_heads, slices), (threads,), args,
                   shared_bytes(n_heads, n_kv_heads, head_dim, slices, threads), bytes_read=kv_bytes, waits=True)
 
 
 def attention_reference(qkv: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, pos: int, n_heads: int,
-                        n_kv_heads: int, head_dim: int, cos: np.ndarray, sin: np.ndarray):
+                        n_kv_heads: int, head_dim: int, cos: np.ndarray, sin: np.ndarray, window: int | None = None):
     """(out [n_heads*hd], new k row, new v row) for one token at `pos`, from runtime.reference.
 
     k_cache/v_cache: [>pos, n_kv, hd] holding positions < pos (float32 values of the fp16 cache). The
@@ -227,4 +230,4 @@ def attention_reference(qkv: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarra
     keys = np.array(k_cache[: pos + 1], dtype=np.float32)
     values = np.array(v_cache[: pos + 1], dtype=np.float32)
     keys[pos], values[pos] = k_row, v_row
-    return ref.attention(q, keys, values, positions)[0], k_row, v_row
+    return ref.attention(q, keys, values, positions, window)[0], k_row, v_row

@@ -40,7 +40,8 @@
 // stores the sum both in x (which the fused MLP normalises) and in pending (OUT_ADD_PENDING).
 // The output head also folds greedy decoding's argmax into one 64-bit word (OUT_STORE_ARGMAX,
 // common.cuh argmax_key): each block keeps its best logit in warp 0 and ends with one atomicMax, so
-// the sampler reads one word instead of scanning the vocabulary (the sampler clears it).
+// the sampler reads one word instead of scanning the vocabulary (the sampler clears it). Qwen2's
+// Q/K/V projection adds its bias as it stores (OUT_STORE_BIAS).
 #include "common.cuh"
 
 #define W_F16 0
@@ -56,6 +57,7 @@
 #define OUT_ADD_PENDING 3   // y[row] = pending[row] + W x, and pending[row] = y[row] in fixed point (mlp.cu)
 #define OUT_SWIGLU 2   // W = [gate; up] (rows = 2F): y[i] = silu(gate_i x) * (up_i x), i < F
 #define OUT_STORE_ARGMAX 4  // y[row] = W x, and *best = max(*best, argmax_key(y[row], row)) (the output head)
+#define OUT_STORE_BIAS 5    // y[row] = W x + bias[row] (Qwen2's fused Q/K/V projection)
 
 #define NL 2           // 16-byte loads per lane per row per chunk
 #define MAX_WARPS 16   // warps of a wide block (gemv.py WIDE_WARPS); one float each of RMSNorm's sums, 64 zero bytes each
@@ -674,7 +676,8 @@ __global__ void __launch_bounds__(WIDE ? 512 : 256, WIDE ? 1 : 2) gemv(
     float eps,
     float* __restrict__ y,                   // output [rows] (OUT_SWIGLU: [rows / 2])
     long long* __restrict__ pending,         // IN_RMSNORM_PENDING: [K]; OUT_ADD_PENDING: [rows]; else unused
-    u64* __restrict__ best)                  // OUT_STORE_ARGMAX: the running argmax key; else unused
+    u64* __restrict__ best,                  // OUT_STORE_ARGMAX: the running argmax key; else unused
+    const float* __restrict__ bias)          // OUT_STORE_BIAS: [rows]; else unused
 {
     constexpr int KPL = Weights<WT>::KPL;
     constexpr int CW = NL * 4 * KPL;                          // k per chunk
@@ -845,6 +848,10 @@ __global__ void __launch_bounds__(WIDE ? 512 : 256, WIDE ? 1 : 2) gemv(
     const bool holds_residual = ADDS && rank == 0 && my_tiles > 0 &&
                                 (int)threadIdx.x < tile_outputs<RT, OUT>() && first_out < outputs;
     float residual = 0.f;
+    // OUT_STORE_BIAS: the bias under the first tile is a weight, so it is loaded before the PDL wait.
+    const bool holds_bias = OUT == OUT_STORE_BIAS && rank == 0 && my_tiles > 0 &&
+                            (int)threadIdx.x < tile_outputs<RT, OUT>() && first_out < outputs;
+    const float first_bias = holds_bias ? __ldg(bias + first_out) : 0.f;
     int next_ti = 0, next_k = 0;       // the next item to load: tile index ti, chunk index k
     auto next_tile = [&]() { return cluster_of_block<SPLIT>() + next_ti * clusters_in_grid<SPLIT>(); };
     auto next_chunk = [&]() { return chunk0 + warp + next_k * nwarps; };
@@ -981,6 +988,8 @@ __global__ void __launch_bounds__(WIDE ? 512 : 256, WIDE ? 1 : 2) gemv(
                 if (OUT == OUT_ADD_PENDING) pending[o] = to_pending(sum);   // the fused MLP adds to it
             }
             else if (OUT == OUT_SWIGLU) y[out0 + i] = swiglu(total, up);
+            else if (OUT == OUT_STORE_BIAS)
+                y[out0 + i] = total + (ti == 0 && i == (int)threadIdx.x ? first_bias : __ldg(bias + out0 + i));
             else y[out0 + i] = total;
             if (OUT == OUT_STORE_ARGMAX) {
                 const u64 key = argmax_key(total, out0 + i);

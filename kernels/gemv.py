@@ -3,7 +3,8 @@
 A GemvShape says what is multiplied (encoding, group, rows, columns, and so whether the matrix is
 held in 8-row blocks: kernels/layout.py) and which fusions run at the input (plain, rmsnorm) and
 output (store, add, swiglu: silu(gate) * up of the fused [gate; up] matrix, store_argmax: store and
-fold the greedy argmax into one uint64 word for the sampler); a GemvConfig is the
+fold the greedy argmax into one uint64 word for the sampler, store_bias: add a bias vector as it
+stores, for Qwen2's Q/K/V projection); a GemvConfig is the
 tunable part (row tiles of 16 per block, warps per block (16: a wide block, one per SM), whether a
 cluster of two blocks splits K, the ring depth: items each warp keeps in flight, whether the grid is
 balanced: grid_units, whether the ring is refilled during the products: gemv.cu's REFILL, and
@@ -23,7 +24,7 @@ from tinyinfer.kernels.layout import can_block, row_bytes
 
 ENCODING_ID = {"f16": 0, "q8": 1, "q4": 2}
 INPUT_ID = {"plain": 0, "rmsnorm": 1, "rmsnorm_pending": 2}
-OUTPUT_ID = {"store": 0, "add": 1, "swiglu": 2, "add_pending": 3, "store_argmax": 4}
+OUTPUT_ID = {"store": 0, "add": 1, "swiglu": 2, "add_pending": 3, "store_argmax": 4, "store_bias": 5}
 CHUNK_K = {"f16": 64, "q8": 128, "q4": 256}   # columns per chunk: NL(2) * 4 lanes * 16 bytes
 SUPPORTED = tuple(ENCODING_ID)
 CANDIDATES = tuple((rt, warps) for rt in (1, 2) for warps in (4, 8, 16))
@@ -288,13 +289,13 @@ def grid_units(tiles: int, resident_units: int, balanced: bool) -> int:
 
 
 def make_gemv(mod, shape: GemvShape, config: GemvConfig, weight, x, y, aux=None, eps: float = 0.0,
-              name: str = "gemv", pending=None, best=None) -> Launch:
+              name: str = "gemv", pending=None, best=None, bias=None) -> Launch:
     """Launch computing y (+)= g(W f(x)). weight: CuPy uint8 array holding the tensor's bytes as
     stored, rearranged by layout.block_in_place when shape.blocked. pending: the residual in int64
     fixed point of a fused step (kernels/mlp.py), which the rmsnorm_pending input normalises instead
     of x and the add_pending output adds to, storing the sum into y and back into pending. best: a
     uint64 word (zero before the launch) into which the store_argmax output folds argmax_key(y[row],
-    row) (gemv.cu), whose row argmax_row() recovers.
+    row) (gemv.cu), whose row argmax_row() recovers. bias: the float32 [rows] the store_bias output adds.
 
     The grid is persistent: as many blocks as stay resident (at most one per row tile, or one
     cluster of `split` blocks per row tile; grid_units)."""
@@ -311,6 +312,8 @@ def make_gemv(mod, shape: GemvShape, config: GemvConfig, weight, x, y, aux=None,
         raise ValueError(f"{shape.key}: pending sums are passed exactly when the GEMV reads them")
     if (best is None) != (shape.output != "store_argmax"):
         raise ValueError(f"{shape.key}: the argmax word is passed exactly when the GEMV folds into it")
+    if (bias is None) != (shape.output != "store_bias"):
+        raise ValueError(f"{shape.key}: a bias is passed exactly when the GEMV adds one")
     kernel = mod.get_function(name_expression(shape, config))
     w_ptr = weight.data.ptr
     scale_ptr = w_ptr + scale_offset(shape)         # f16: 0, the kernel reads no scales
@@ -319,22 +322,23 @@ def make_gemv(mod, shape: GemvShape, config: GemvConfig, weight, x, y, aux=None,
     per_sm, sms = resident_blocks(kernel, 32 * config.warps, shared)
     args = (np.uint64(w_ptr), np.uint64(scale_ptr), np.int32(shape.rows), np.int32(shape.cols_pad),
             np.int32(shape.cols), x, aux if aux is not None else np.uint64(0), np.float32(eps), y,
-            pending if pending is not None else np.uint64(0), best if best is not None else np.uint64(0))
+            pending if pending is not None else np.uint64(0), best if best is not None else np.uint64(0),
+            bias if bias is not None else np.uint64(0))
     units = grid_units(tiles, per_sm * sms // config.split, config.balanced)
     return Launch(name, kernel, (units * config.split,), (32 * config.warps,), args, shared,
                   bytes_read=shape.weight_bytes, waits=True, cluster=config.split)
 
 
 def gemv_reference(tensor, x: np.ndarray, input: str = "plain", aux=None, eps: float = 0.0,
-                   residual: np.ndarray | None = None, output: str = "store") -> np.ndarray:
-    """What the kernel computes, from runtime.reference: y = W f(x) (+ residual, or swiglu), float32.
+                   residual: np.ndarray | None = None, output: str = "store", bias=None) -> np.ndarray:
+    """What the kernel computes, from runtime.reference: y = W f(x) (+ residual, or + bias, or swiglu), float32.
     For the pending variants, x and residual are given with the pending sums already added."""
     from tinyinfer.runtime import reference as ref
 
     k = tensor.cols
     x = np.asarray(x, dtype=np.float32)
     h = ref.rms_norm(x[:k], aux[:k], eps) if input.startswith("rmsnorm") else x[:k]
-    y = ref.linear(h[None, :], tensor.to_float32())[0]
+    y = ref.linear(h[None, :], tensor.to_float32(), bias)[0]
     if output == "swiglu":
         return ref.swiglu(y)
     return y + residual if residual is not None else y

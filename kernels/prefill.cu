@@ -7,9 +7,11 @@
 //   rmsnorm_rows    x -> rms_norm(x) * w as fp16 [T][dim]            (GEMM input)
 //   dequant_q4/q8   a quantized matrix (row-major or in 8-row blocks) -> fp16 [rows][kpad]
 //                   (GEMM weight, once per chunk)
-//   rope_store      qkv [T][(nh + 2 nkv) hd] float32 -> q fp16 [nh][T][hd] (rotated, pre-scaled),
-//                   rotated k and v written to the fp16 KV cache at positions start..start+T-1
-//   attention       causal flash attention of the chunk's queries against the cache -> fp16 [T][nh hd]
+//   rope_store      qkv [T][(nh + 2 nkv) hd] float32 (+ Qwen2's Q/K/V bias) -> q fp16 [nh][T][hd]
+//                   (rotated, pre-scaled), rotated k and v written to the fp16 KV cache at positions
+//                   start..start+T-1
+//   attention       causal flash attention of the chunk's queries against the cache (within the
+//                   sliding window, where the model has one) -> fp16 [T][nh hd]
 //   swiglu_rows     gate_up [T][2 ffn] float32 -> silu(gate) * up as fp16 [T][ffn]
 //
 // Rounding matches the decode path: GEMM inputs and the KV cache are fp16, everything else fp32.
@@ -100,39 +102,43 @@ extern "C" __global__ void dequant_q8(const unsigned char* __restrict__ w, const
 
 // RoPE (rotate-half, tables [ctx][hd/2]) for the chunk's q and k, the cache append of k and v,
 // and q as fp16 [n_heads][T][hd] multiplied by q_scale = log2(e)/sqrt(hd) (the attention kernel
-// works in base 2). Grid (T), block 256. The k rotation is the decode kernel's expression.
+// works in base 2). `bias` (nullptr: none) is added to q, k and v first: the GEMM before has no
+// epilogue of ours, and this kernel reads every value anyway. Grid (T), block 256. The k rotation
+// is the decode kernel's expression.
 extern "C" __global__ void __launch_bounds__(256) rope_store(
-    const float* __restrict__ qkv, int T, int start, int n_heads, int n_kv, int hd,
+    const float* __restrict__ qkv, const float* __restrict__ bias, int T, int start, int n_heads, int n_kv, int hd,
     const float* __restrict__ rope_cos, const float* __restrict__ rope_sin, float q_scale,
     __half* __restrict__ q_out, __half* __restrict__ k_cache, __half* __restrict__ v_cache)
 {
     const int t = blockIdx.x, pos = start + t, half_hd = hd >> 1;
     const float* row = qkv + (size_t)t * (n_heads + 2 * n_kv) * hd;
+    auto value = [&](int i) { return bias ? row[i] + bias[i] : row[i]; };   // column i of the row
     const float* cos_p = rope_cos + (size_t)pos * half_hd;
     const float* sin_p = rope_sin + (size_t)pos * half_hd;
     for (int i = threadIdx.x; i < n_heads * half_hd; i += blockDim.x) {
         const int h = i / half_hd, d = i % half_hd;
-        const float a = row[h * hd + d], b = row[h * hd + d + half_hd];
+        const float a = value(h * hd + d), b = value(h * hd + d + half_hd);
         __half* q = q_out + ((size_t)h * T + t) * hd;
         q[d] = __float2half_rn((a * cos_p[d] - b * sin_p[d]) * q_scale);
         q[d + half_hd] = __float2half_rn((b * cos_p[d] + a * sin_p[d]) * q_scale);
     }
     const size_t cache_row = (size_t)pos * n_kv * hd;
-    const float* k = row + (size_t)n_heads * hd;
+    const int k0 = n_heads * hd, v0 = (n_heads + n_kv) * hd;     // columns of k and v in the row
     for (int i = threadIdx.x; i < n_kv * half_hd; i += blockDim.x) {
         const int h = i / half_hd, d = i % half_hd;
-        const float a = k[h * hd + d], b = k[h * hd + d + half_hd];
+        const float a = value(k0 + h * hd + d), b = value(k0 + h * hd + d + half_hd);
         k_cache[cache_row + h * hd + d] = __float2half_rn(a * cos_p[d] - b * sin_p[d]);
         k_cache[cache_row + h * hd + d + half_hd] = __float2half_rn(b * cos_p[d] + a * sin_p[d]);
     }
-    const float* v = k + (size_t)n_kv * hd;
-    for (int i = threadIdx.x; i < n_kv * hd; i += blockDim.x) v_cache[cache_row + i] = __float2half_rn(v[i]);
+    for (int i = threadIdx.x; i < n_kv * hd; i += blockDim.x) v_cache[cache_row + i] = __float2half_rn(value(v0 + i));
 }
 
 // Causal attention of a chunk's queries against the KV cache, FlashAttention-2 style.
 //
 // Block (query tile, head): 4 warps x 16 query rows. The block walks the key positions
-// 0 .. start + (its last query) in tiles of 64: K and V tiles are copied row-major into shared
+// 0 .. start + (its last query) in tiles of 64 (with a sliding window of W positions, from the tile
+// holding its first query's first key, start + q0 - W + 1; keys before a row's window are masked).
+// K and V tiles are copied row-major into shared
 // memory with cp.async, the next tile's copies in flight while the current one is used (two
 // buffers, dynamic shared memory: attention_shared_bytes in prefill.py). S = Q K^T and O += P V run
 // on the tensor cores (mma m16n8k16, fp32 accumulation; two k8 halves on Turing): K's B fragments
@@ -152,6 +158,7 @@ __global__ void __launch_bounds__(FA_WARPS * 32) attention_prefill(
     const __half* __restrict__ k_cache,   // [ctx][n_kv][HD] this layer, positions < start + T valid
     const __half* __restrict__ v_cache,
     int T, int start, int n_heads, int n_kv,
+    int window,                           // sliding window (positions), 0: full causal attention
     __half* __restrict__ out)             // [T][n_heads * HD]
 {
     static_assert(HD % 16 == 0 && HD <= 128, "head_dim must be a multiple of 16, at most 128");
@@ -168,7 +175,8 @@ __global__ void __launch_bounds__(FA_WARPS * 32) attention_prefill(
     const int head = blockIdx.y, kvh = head / (n_heads / n_kv);
     const int q0 = (gridDim.x - 1 - blockIdx.x) * FA_BQ;
     const int q_last = min(q0 + FA_BQ, T) - 1;            // last real query row of the block
-    const int key_end = start + q_last + 1;               // keys [0, key_end) are needed
+    const int key_end = start + q_last + 1;               // keys [key_begin, key_end) are needed
+    const int key_begin = window > 0 ? max(0, start + q0 - window + 1) : 0;
     const int row0 = q0 + warp * 16;                      // this warp's first query row
     const int pos_lo = start + row0 + g, pos_hi = pos_lo + 8;   // positions of this lane's two rows
     const size_t cache_stride = (size_t)n_kv * HD;
@@ -212,9 +220,10 @@ __global__ void __launch_bounds__(FA_WARPS * 32) attention_prefill(
         }
         copies_commit();
     };
-    const int n_tiles = (key_end + FA_BK - 1) / FA_BK;
-    load_tile(0, 0);
-    for (int tile = 0; tile < n_tiles; ++tile) {
+    const int first_tile = key_begin / FA_BK, n_tiles = (key_end + FA_BK - 1) / FA_BK;
+    const int warp_first = start + row0, warp_last = warp_first + 15;   // positions of the warp's rows
+    load_tile(first_tile, first_tile & 1);
+    for (int tile = first_tile; tile < n_tiles; ++tile) {
         const int k0 = tile * FA_BK, buf = tile & 1;
         if (tile + 1 < n_tiles) {
             load_tile(tile + 1, buf ^ 1);     // that buffer's last reader finished before the barrier below
@@ -225,7 +234,8 @@ __global__ void __launch_bounds__(FA_WARPS * 32) attention_prefill(
         __syncthreads();
         const __half* kb = k_s + buf * FA_BK * KS;
         const __half* vb = v_s + buf * FA_BK * KS;
-        if (k0 <= start + row0 + 15) {                    // else every key is after every row of this warp
+        // Else every key is after every row of this warp, or before every row's window.
+        if (k0 <= warp_last && (window == 0 || k0 + FA_BK - 1 > warp_first - window)) {
             // S = Q K^T for 16 rows x 64 keys.
             float s[NTILES][4];
 #pragma unroll
@@ -248,6 +258,18 @@ __global__ void __launch_bounds__(FA_WARPS * 32) attention_prefill(
                     if (key + 1 > pos_lo) s[j][1] = -TI_INF;
                     if (key > pos_hi) s[j][2] = -TI_INF;
                     if (key + 1 > pos_hi) s[j][3] = -TI_INF;
+                }
+            }
+            // Sliding window where the tile starts before the window of the warp's last row.
+            if (window > 0 && k0 <= warp_last - window) {
+                const int lo_lo = pos_lo - window + 1, lo_hi = pos_hi - window + 1;   // first keys of the two rows
+#pragma unroll
+                for (int j = 0; j < NTILES; ++j) {
+                    const int key = k0 + j * 8 + 2 * t4;
+                    if (key < lo_lo) s[j][0] = -TI_INF;
+                    if (key + 1 < lo_lo) s[j][1] = -TI_INF;
+                    if (key < lo_hi) s[j][2] = -TI_INF;
+                    if (key + 1 < lo_hi) s[j][3] = -TI_INF;
                 }
             }
             // Online softmax: the four lanes t4 = 0..3 of a row hold its 64 scores between them.
@@ -327,7 +349,7 @@ __global__ void __launch_bounds__(FA_WARPS * 32) attention_prefill(
 
 // The head sizes of the Llama family, compiled ahead so an offline nvcc build checks them;
 // others are instantiated at run time through NVRTC name expressions.
-template __global__ void attention_prefill<64>(const __half*, const __half*, const __half*, int, int, int, int,
+template __global__ void attention_prefill<64>(const __half*, const __half*, const __half*, int, int, int, int, int,
                                                __half*);
-template __global__ void attention_prefill<128>(const __half*, const __half*, const __half*, int, int, int, int,
+template __global__ void attention_prefill<128>(const __half*, const __half*, const __half*, int, int, int, int, int,
                                                 __half*);

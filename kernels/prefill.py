@@ -78,12 +78,13 @@ def dequant(mod, encoding: str, weight_ptr: int, scale_ptr: int, rows: int, cols
 
 
 def rope_store(mod, qkv, n_tokens: int, start: int, n_heads: int, n_kv: int, head_dim: int, rope_cos, rope_sin,
-               q_out, k_cache, v_cache) -> None:
-    """q_out [n_heads, T, hd] fp16 (rotated, times log2(e)/sqrt(hd)); k (rotated) and v into the cache."""
+               q_out, k_cache, v_cache, bias=None) -> None:
+    """q_out [n_heads, T, hd] fp16 (rotated, times log2(e)/sqrt(hd)); k (rotated) and v into the cache;
+    bias (float32 [(n_heads + 2 n_kv) hd], Qwen2's) added to q, k and v first."""
     q_scale = np.float32(LOG2E / math.sqrt(head_dim))
     mod.get_function("rope_store")((n_tokens,), (256,), (
-        qkv, np.int32(n_tokens), np.int32(start), np.int32(n_heads), np.int32(n_kv), np.int32(head_dim),
-        rope_cos, rope_sin, q_scale, q_out, k_cache, v_cache))
+        qkv, bias if bias is not None else np.uint64(0), np.int32(n_tokens), np.int32(start), np.int32(n_heads),
+        np.int32(n_kv), np.int32(head_dim), rope_cos, rope_sin, q_scale, q_out, k_cache, v_cache))
 
 
 def attention_shared_bytes(head_dim: int) -> int:
@@ -92,14 +93,15 @@ def attention_shared_bytes(head_dim: int) -> int:
 
 
 def attention(mod, q, k_cache, v_cache, n_tokens: int, start: int, n_heads: int, n_kv: int, head_dim: int,
-              out) -> None:
-    """out [T, n_heads * hd] fp16: causal attention of the chunk's queries over cache positions < start + T."""
+              out, window: int | None = None) -> None:
+    """out [T, n_heads * hd] fp16: causal attention of the chunk's queries over cache positions < start + T
+    (each query over the last `window` of them, with a sliding window)."""
     grid = (-(-n_tokens // TILE_Q), n_heads)
     kernel = mod.get_function(attention_name(head_dim))
     shared = attention_shared_bytes(head_dim)
     allow_shared_memory(kernel, shared)
     kernel(grid, (ATTENTION_THREADS,), (q, k_cache, v_cache, np.int32(n_tokens), np.int32(start), np.int32(n_heads),
-                                        np.int32(n_kv), out), shared_mem=shared)
+                                        np.int32(n_kv), np.int32(window or 0), out), shared_mem=shared)
 
 
 def gemm(weight_ptr: int, n_out: int, k: int, ld_weight: int, x_ptr: int, n_tokens: int, ld_x: int, y_ptr: int,
@@ -146,10 +148,13 @@ def swiglu_reference(gate_up: np.ndarray) -> np.ndarray:
     return ref.swiglu(gate_up).astype(np.float16)
 
 
-def rope_store_reference(qkv: np.ndarray, start: int, n_heads: int, n_kv: int, head_dim: int, cos, sin):
+def rope_store_reference(qkv: np.ndarray, start: int, n_heads: int, n_kv: int, head_dim: int, cos, sin,
+                         bias: np.ndarray | None = None):
     """(q fp16 [n_heads, T, hd] pre-scaled, k fp16 [T, n_kv, hd] rotated, v fp16 [T, n_kv, hd])."""
     from tinyinfer.runtime import reference as ref
 
+    if bias is not None:
+        qkv = qkv + bias.astype(np.float32)
     n_tokens = qkv.shape[0]
     positions = np.arange(start, start + n_tokens)
     q_size, kv_size = n_heads * head_dim, n_kv * head_dim
@@ -160,10 +165,12 @@ def rope_store_reference(qkv: np.ndarray, start: int, n_heads: int, n_kv: int, h
     return np.ascontiguousarray(q), k.astype(np.float16), v.astype(np.float16)
 
 
-def attention_reference(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, start: int) -> np.ndarray:
+def attention_reference(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, start: int,
+                        window: int | None = None) -> np.ndarray:
     """The kernel's algorithm in NumPy: fp16 [T, n_heads * hd] from q fp16 [n_heads, T, hd] (pre-scaled)
     and the fp16 cache [>= start + T, n_kv, hd], walking query tiles and key tiles as the kernel does
-    (running max and sum in base 2, P rounded to fp16, keys beyond the tile's last query zeroed)."""
+    (running max and sum in base 2, P rounded to fp16, keys beyond the tile's last query zeroed; with
+    a window, from the tile of the first query's first key, keys before a row's window masked)."""
     n_heads, n_tokens, head_dim = q.shape
     group = n_heads // k_cache.shape[1]
     out = np.zeros((n_tokens, n_heads, head_dim), dtype=np.float32)
@@ -171,17 +178,20 @@ def attention_reference(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
         rows = np.arange(q0, min(q0 + TILE_Q, n_tokens))
         positions = start + rows
         key_end = positions[-1] + 1
+        key_begin = max(0, positions[0] - window + 1) if window else 0
         for head in range(n_heads):
             qh = q[head, rows].astype(np.float32)
             m = np.full(rows.size, -np.inf, dtype=np.float32)
             l = np.zeros(rows.size, dtype=np.float32)
             o = np.zeros((rows.size, head_dim), dtype=np.float32)
-            for k0 in range(0, key_end, TILE_K):
+            for k0 in range(key_begin // TILE_K * TILE_K, key_end, TILE_K):
                 keys = np.arange(k0, min(k0 + TILE_K, key_end))
                 kt = k_cache[keys, head // group].astype(np.float32)
                 vt = v_cache[keys, head // group].astype(np.float32)
                 s = qh @ kt.T
                 s[keys[None, :] > positions[:, None]] = -np.inf
+                if window:
+                    s[keys[None, :] <= positions[:, None] - window] = -np.inf
                 new_m = np.maximum(m, s.max(axis=1))
                 base = np.where(np.isneginf(new_m), 0, new_m)
                 corr = np.exp2(m - base)
@@ -194,7 +204,7 @@ def attention_reference(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
 
 
 def causal_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, positions: np.ndarray,
-                     block: int = 256) -> np.ndarray:
+                     window: int | None = None, block: int = 256) -> np.ndarray:
     """runtime.reference.attention computed with matrix products, `block` queries at a time (the same
     function, fast enough to be the oracle for 2048-token prompts). q [T, heads, hd] float32."""
     n_tokens, n_heads, head_dim = q.shape
@@ -208,6 +218,8 @@ def causal_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, po
         qb = q[b: b + block].transpose(1, 0, 2)                          # [h, tb, hd]
         scores = (qb @ keys) * scale                                       # [h, tb, S]
         masked = np.arange(last)[None, :] > positions[b: b + block, None]  # [tb, S]
+        if window:
+            masked |= np.arange(last)[None, :] <= positions[b: b + block, None] - window
         scores[:, masked] = -np.inf
         scores -= scores.max(axis=-1, keepdims=True)
         weights = np.exp(scores)

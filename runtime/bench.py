@@ -95,15 +95,19 @@ def byte_level_tokenizer_json(vocab_size: int, corpus: list[str]) -> str:
 
 
 def tinf_config(hf: dict, n_layers: int | None = None) -> dict:
-    """.tinf config from a Hugging Face config.json dict (optionally with fewer layers)."""
+    """.tinf config from a Hugging Face config.json dict (optionally with fewer layers); Qwen2's
+    Q/K/V biases and a sliding window as the converter reads them (convert.hf)."""
+    from tinyinfer.convert.hf import sliding_window
+
     n_heads = hf["num_attention_heads"]
+    max_context = hf.get("max_position_embeddings", 2048)
     return {"architecture": "llama", "dim": hf["hidden_size"], "n_layers": n_layers or hf["num_hidden_layers"],
             "n_heads": n_heads, "n_kv_heads": hf.get("num_key_value_heads", n_heads),
             "head_dim": hf.get("head_dim") or hf["hidden_size"] // n_heads, "ffn_dim": hf["intermediate_size"],
             "vocab_size": hf["vocab_size"], "norm_eps": float(hf.get("rms_norm_eps", 1e-5)),
             "rope_theta": float(hf.get("rope_theta", 10000.0)), "rope_scaling": hf.get("rope_scaling"),
-            "max_context": hf.get("max_position_embeddings", 2048),
-            "tied_embeddings": bool(hf.get("tie_word_embeddings", False))}
+            "max_context": max_context, "tied_embeddings": bool(hf.get("tie_word_embeddings", False)),
+            "qkv_bias": hf.get("model_type") == "qwen2", "sliding_window": sliding_window(hf, max_context)}
 
 
 def write_random_model(path, config: dict, quant: str = "q4", group: int = 64, seed: int = 0,
@@ -125,8 +129,9 @@ def write_random_model(path, config: dict, quant: str = "q4", group: int = 64, s
             role = spec.name.split(".")[-1]
             if reuse_layers and role in made:
                 tensor = made[role]
-            elif len(spec.shape) == 1:         # norm weights near 1
-                values = (1.0 + 0.1 * rng.standard_normal(spec.shape[0])).astype(np.float32)
+            elif len(spec.shape) == 1:         # norm weights near 1, Q/K/V biases of about 1
+                noise = rng.standard_normal(spec.shape[0])
+                values = (noise if role == "bqkv" else 1.0 + 0.1 * noise).astype(np.float32)
                 tensor = Tensor("f32", tuple(spec.shape), np.pad(values, (0, -len(values) % 4))[None, :])
             else:
                 std = 1.0 if spec.name == "tok_embeddings" else 1.0 / np.sqrt(spec.shape[1])

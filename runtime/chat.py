@@ -62,25 +62,30 @@ def compile_template(source: str):
 
 
 def check_messages(messages) -> list[dict]:
-    if not isinstance(messages, (list, tuple)) or not all(
-            isinstance(m, dict) and "role" in m and "content" in m for m in messages):
+    """Copies of the messages without their None-valued keys, as transformers passes them (an
+    assistant turn of tool calls may come with content None)."""
+    if not isinstance(messages, (list, tuple)) or not all(isinstance(m, dict) for m in messages):
         raise ChatTemplateError("Chat messages must be a list of dicts with 'role' and 'content' keys.")
-    return [dict(m) for m in messages]
+    messages = [{k: v for k, v in m.items() if v is not None} for m in messages]
+    if not all("role" in m and ("content" in m or "tool_calls" in m) for m in messages):
+        raise ChatTemplateError("Chat messages must be a list of dicts with 'role' and 'content' keys.")
+    return messages
 
 
 def render_chat(template: str | None, messages, special_tokens: dict | None = None,
                 add_generation_prompt: bool = True, **template_kwargs) -> str:
-    """Render a conversation to the prompt text, exactly as transformers' apply_chat_template(tokenize=False)."""
+    """Render a conversation to the prompt text, exactly as transformers' apply_chat_template(tokenize=False);
+    template_kwargs (tools=[...] JSON schemas, date_string=..., ...) are template variables as there."""
     if not template:
         raise ChatTemplateError("This model has no chat template; use a plain prompt instead of chat "
                                 "(or convert a checkpoint whose tokenizer_config.json has one).")
     import jinja2
 
     compiled = compile_template(template)
-    variables = {**(special_tokens or {}), **template_kwargs}
+    variables = {"tools": None, "documents": None, **(special_tokens or {}), **template_kwargs}
     try:
-        return compiled.render(messages=check_messages(messages), tools=None, documents=None,
-                               add_generation_prompt=add_generation_prompt, **variables)
+        return compiled.render(messages=check_messages(messages), add_generation_prompt=add_generation_prompt,
+                               **variables)
     except jinja2.TemplateError as e:
         raise ChatTemplateError(f"The model's chat template rejected this conversation: {e}.") from None
 

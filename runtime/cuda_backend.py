@@ -91,7 +91,7 @@ def check_plan(plan: dict, max_context: int) -> None:
 
 
 def check_encodings(tinf) -> None:
-    """The kernels read linears as f16/q8/q4, the embedding as f16/f32/bf16 and norms as f32."""
+    """The kernels read linears as f16/q8/q4, the embedding as f16/f32/bf16 and norms and biases as f32."""
     c = tinf.config
     for name in cuda_prefill.linear_names(c):
         if tinf.info(name).encoding not in gemv_k.SUPPORTED:
@@ -101,6 +101,7 @@ def check_encodings(tinf) -> None:
         raise DeviceError(f"tok_embeddings is stored as {tinf.info('tok_embeddings').encoding}; "
                           "convert the model again (embeddings are written as f16).")
     norms = ["norm"] + [f"layers.{i}.{n}" for i in range(c["n_layers"]) for n in ("attn_norm", "ffn_norm")]
+    norms += [f"layers.{i}.bqkv" for i in range(c["n_layers"])] if c.get("qkv_bias") else []
     for name in norms:
         if tinf.info(name).encoding != "f32":
             raise DeviceError(f"{name} is stored as {tinf.info(name).encoding}, not f32; convert the model again.")
@@ -242,7 +243,8 @@ class CudaBackend(Backend):
         """(role -> GemvShape) for the five matrices of the model."""
         info = self.tinf.info
         return {
-            "wqkv": gemv_k.shape_of(info("layers.0.wqkv"), "rmsnorm", "store"),
+            "wqkv": gemv_k.shape_of(info("layers.0.wqkv"), "rmsnorm",
+                                    "store_bias" if self.config.get("qkv_bias") else "store"),
             "wo": gemv_k.shape_of(info("layers.0.wo"), "plain", "add"),
             "w_gate_up": gemv_k.shape_of(info("layers.0.w_gate_up"), "rmsnorm", "swiglu"),
             "w_down": gemv_k.shape_of(info("layers.0.w_down"), "plain", "add"),
@@ -339,7 +341,8 @@ class CudaBackend(Backend):
             x, y, aux = self.x, self.logits, self.f32_view("norm")
         return gemv_k.make_gemv(module, shape, config, self.view(name), x, y, aux, eps, name=f"gemv {role}",
                                 pending=self.pending if pending else None,
-                                best=self.head_best if shape.output == "store_argmax" else None)
+                                best=self.head_best if shape.output == "store_argmax" else None,
+                                bias=self.f32_view(f"layers.{layer}.bqkv") if shape.output == "store_bias" else None)
 
     def mlp_launch(self, layer: int, config: mlp_k.MlpConfig):
         return self.cached_launch(("mlp", layer, config), lambda: mlp_k.make_mlp(
@@ -356,7 +359,8 @@ class CudaBackend(Backend):
             self.attn_module, self.n_heads, self.n_kv, self.head_dim, slices, self.attn_plan.threads,
             self.qkv,
             self.k_cache[layer], self.v_cache[layer], self.state, self.rope_cos, self.rope_sin,
-            self.part_o, self.part_ml, self.counters, self.attn, kv_bytes=2 * kv_row_bytes, kernel=self.attn_plan.kernel)
+            self.part_o, self.part_ml, self.counters, self.attn, kv_bytes=2 * kv_row_bytes,
+            kernel=self.attn_plan.kernel, window=self.config.get("sliding_window"))
 
     def embed_launch(self):
         info = self.tinf.info("tok_embeddings")

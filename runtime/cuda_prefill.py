@@ -5,8 +5,8 @@ known, so each chunk of up to `chunk` tokens goes through every layer at once:
 
     x = embed(ids)                                        float32 [T, dim], the residual stream
     per layer:  qkv  = rmsnorm(x) @ wqkv^T                cuBLAS fp16 GEMM, fp32 out
-                q    = rope_store(qkv)                    k and v (rotated k) appended to the KV cache
-                x   += attention(q, cache) @ wo^T         flash attention, then GEMM adding into x
+                q    = rope_store(qkv + bqkv)             k and v (rotated k) appended to the KV cache
+                x   += attention(q, cache) @ wo^T         flash attention (in the window), then GEMM adding into x
                 gu   = rmsnorm(x) @ w_gate_up^T
                 x   += swiglu(gu) @ w_down^T
     logits = rmsnorm(x) @ output^T                        for every position, the last, or none
@@ -176,8 +176,9 @@ class CudaOps:
         n = qkv.shape[0]
         q = self.q16[: n * self.n_heads * self.hd].reshape(self.n_heads, n, self.hd)
         b = self.backend
+        bias = b.f32_view(f"layers.{layer}.bqkv") if self.config.get("qkv_bias") else None
         prefill_k.rope_store(self.mod, qkv, n, start, self.n_heads, self.n_kv, self.hd, b.rope_cos, b.rope_sin, q,
-                             b.k_cache[layer], b.v_cache[layer])
+                             b.k_cache[layer], b.v_cache[layer], bias)
         return q
 
     def attention(self, q, layer: int, start: int):
@@ -185,7 +186,7 @@ class CudaOps:
         out = self.attn16[: n * self.n_heads * self.hd].reshape(n, self.n_heads * self.hd)
         b = self.backend
         prefill_k.attention(self.mod, q, b.k_cache[layer], b.v_cache[layer], n, start, self.n_heads, self.n_kv,
-                            self.hd, out)
+                            self.hd, out, self.config.get("sliding_window"))
         return out
 
     def swiglu(self, gate_up):
@@ -251,14 +252,16 @@ class NumpyOps:
 
     def rope_store(self, qkv: np.ndarray, layer: int, start: int) -> np.ndarray:
         c = self.config
+        bias = self.weight(f"layers.{layer}.bqkv") if c.get("qkv_bias") else None
         q, k, v = prefill_k.rope_store_reference(qkv, start, c["n_heads"], c["n_kv_heads"], c["head_dim"],
-                                                 self.cos, self.sin)
+                                                 self.cos, self.sin, bias)
         self.k_cache[layer, start: start + qkv.shape[0]] = k
         self.v_cache[layer, start: start + qkv.shape[0]] = v
         return q
 
     def attention(self, q: np.ndarray, layer: int, start: int) -> np.ndarray:
-        return prefill_k.attention_reference(q, self.k_cache[layer], self.v_cache[layer], start)
+        return prefill_k.attention_reference(q, self.k_cache[layer], self.v_cache[layer], start,
+                                             self.config.get("sliding_window"))
 
     def swiglu(self, gate_up: np.ndarray) -> np.ndarray:
         return prefill_k.swiglu_reference(gate_up)

@@ -44,6 +44,8 @@ def expected_shapes(c: dict) -> dict[str, tuple]:
             f"layers.{i}.wo": (c["dim"], c["n_heads"] * c["head_dim"]), f"layers.{i}.ffn_norm": (c["dim"],),
             f"layers.{i}.w_gate_up": (2 * c["ffn_dim"], c["dim"]), f"layers.{i}.w_down": (c["dim"], c["ffn_dim"]),
         })
+        if c.get("qkv_bias"):
+            shapes[f"layers.{i}.bqkv"] = (q_rows,)
     return shapes
 
 
@@ -55,6 +57,11 @@ def check_model(tinf) -> None:
         raise FormatError(f"{tinf.path}: the config is not a complete Llama config; convert the model again.")
     if c["n_heads"] % c["n_kv_heads"] or c["head_dim"] % 2:
         raise FormatError(f"{tinf.path}: n_heads must be a multiple of n_kv_heads and head_dim even; "
+                          "convert the model again.")
+    window = c.get("sliding_window")
+    if not isinstance(c.get("qkv_bias", False), bool) or not (
+            window is None or (isinstance(window, int) and not isinstance(window, bool) and window >= 1)):
+        raise FormatError(f"{tinf.path}: qkv_bias must be a bool and sliding_window nil or a positive integer; "
                           "convert the model again.")
     for name, shape in expected_shapes(c).items():
         if tinf.info(name).shape != shape:

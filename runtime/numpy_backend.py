@@ -1,4 +1,5 @@
-"""The NumPy reference forward pass: a Llama decoder over a float32 KV cache.
+"""The NumPy reference forward pass: a Llama decoder (with Qwen2's Q/K/V biases and Mistral's
+sliding window where the config has them) over a float32 KV cache.
 
 This is the readable version of what the CUDA kernels do. Every step is a function from
 tinyinfer.runtime.reference; weights are dequantized with Tensor.to_float32(), the same function
@@ -168,7 +169,8 @@ class NumpyBackend(Backend):
     def attention_block(self, layer: int, x: np.ndarray, positions: np.ndarray) -> np.ndarray:
         p = f"layers.{layer}."
         h = ref.rms_norm(x, self.weight(p + "attn_norm"), self.config["norm_eps"])
-        qkv = ref.linear(h, self.weight(p + "wqkv"))
+        bias = self.weight(p + "bqkv") if self.config.get("qkv_bias") else None
+        qkv = ref.linear(h, self.weight(p + "wqkv"), bias)
         q_size, kv_size = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
         q = qkv[:, :q_size].reshape(-1, self.n_heads, self.head_dim)
         k = qkv[:, q_size: q_size + kv_size].reshape(-1, self.n_kv_heads, self.head_dim)
@@ -176,7 +178,8 @@ class NumpyBackend(Backend):
         q = ref.apply_rope(q, positions, self.cos, self.sin)
         self.k_cache[layer, positions] = ref.apply_rope(k, positions, self.cos, self.sin)
         self.v_cache[layer, positions] = v
-        out = ref.attention(q, self.k_cache[layer], self.v_cache[layer], positions)
+        window = self.config.get("sliding_window")
+        out = ref.attention(q, self.k_cache[layer], self.v_cache[layer], positions, window)
         return ref.linear(out, self.weight(p + "wo"))
 
     def mlp_block(self, layer: int, x: np.ndarray) -> np.ndarray:

@@ -2,8 +2,9 @@
 
 Each function is a plain float32 transcription of one step of a Llama decoder layer, in the
 Hugging Face conventions (rotate-half RoPE, RMSNorm with the weight applied after normalising,
-SwiGLU MLP, grouped-query attention). CUDA kernels may fuse and reorder these steps, but each
-kernel has one of these functions (or a composition of them) as its oracle.
+SwiGLU MLP, grouped-query attention, optional Q/K/V biases and a sliding attention window). CUDA
+kernels may fuse and reorder these steps, but each kernel has one of these functions (or a
+composition of them) as its oracle.
 """
 
 from __future__ import annotations
@@ -61,20 +62,30 @@ def apply_rope(x: np.ndarray, positions: np.ndarray, cos: np.ndarray, sin: np.nd
     return np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(np.float32)
 
 
-def attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, positions: np.ndarray) -> np.ndarray:
+def first_key(pos: int, window: int | None) -> int:
+    """The first cache row the query at `pos` attends to: 0, or with a sliding window of `window`
+    positions (Mistral, Qwen2) pos - window + 1, so it sees `window` rows counting its own, as
+    transformers' sliding-window mask does (key > query - window)."""
+    return 0 if window is None else max(0, pos - window + 1)
+
+
+def attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, positions: np.ndarray,
+              window: int | None = None) -> np.ndarray:
     """Causal grouped-query attention.
 
     q: [T, n_heads, head_dim]; k_cache, v_cache: [S, n_kv_heads, head_dim] holding every position
-    up to max(positions); the query at position p attends to cache rows 0..p. Returns [T, n_heads*head_dim].
+    up to max(positions); the query at position p attends to cache rows first_key(p, window)..p.
+    Returns [T, n_heads*head_dim].
     """
     n_tokens, n_heads, head_dim = q.shape
     group = n_heads // k_cache.shape[1]
     out = np.empty((n_tokens, n_heads, head_dim), dtype=np.float32)
     scale = np.float32(1.0 / math.sqrt(head_dim))
     for t, pos in enumerate(positions):
-        keys = np.repeat(k_cache[: pos + 1], group, axis=1)      # [pos+1, n_heads, hd]
-        values = np.repeat(v_cache[: pos + 1], group, axis=1)
-        scores = np.einsum("hd,shd->hs", q[t], keys) * scale      # [n_heads, pos+1]
+        rows = slice(first_key(pos, window), pos + 1)
+        keys = np.repeat(k_cache[rows], group, axis=1)            # [rows, n_heads, hd]
+        values = np.repeat(v_cache[rows], group, axis=1)
+        scores = np.einsum("hd,shd->hs", q[t], keys) * scale      # [n_heads, rows]
         out[t] = np.einsum("hs,shd->hd", softmax(scores), values)
     return out.reshape(n_tokens, n_heads * head_dim)
 
@@ -95,6 +106,7 @@ def swiglu(gate_up: np.ndarray) -> np.ndarray:
     return (silu(gate_up[..., :ffn]) * gate_up[..., ffn:]).astype(np.float32)
 
 
-def linear(x: np.ndarray, weight: np.ndarray) -> np.ndarray:
-    """x: [T, K] float32, weight: [N, K] float32 (already dequantized) -> [T, N]."""
-    return (x.astype(np.float32, copy=False) @ weight.T).astype(np.float32, copy=False)
+def linear(x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
+    """x: [T, K] float32, weight: [N, K] float32 (already dequantized), bias: [N] or None -> [T, N]."""
+    y = (x.astype(np.float32, copy=False) @ weight.T).astype(np.float32, copy=False)
+    return y if bias is None else y + bias.astype(np.float32, copy=False)

@@ -97,6 +97,9 @@ def random_weights(config: dict, seed: int = 0) -> dict[str, np.ndarray]:
             p + "mlp.up_proj.weight": linear(ffn, dim),
             p + "mlp.down_proj.weight": linear(dim, ffn),
         })
+        if config.get("model_type") == "qwen2":          # Qwen2's Q/K/V projections have biases
+            for x, rows in (("q", n_heads * head_dim), ("k", kv_rows), ("v", kv_rows)):
+                weights[p + f"self_attn.{x}_proj.bias"] = rng.standard_normal(rows).astype(np.float32)
     weights["model.norm.weight"] = norm()
     if not config.get("tie_word_embeddings"):
         weights["lm_head.weight"] = linear(config["vocab_size"], dim)
@@ -166,6 +169,8 @@ def fused_source(weights: dict[str, np.ndarray], config: dict) -> dict[str, np.n
         p = f"model.layers.{i}."
         out[f"layers.{i}.attn_norm"] = weights[p + "input_layernorm.weight"]
         out[f"layers.{i}.wqkv"] = np.concatenate([weights[p + f"self_attn.{x}_proj.weight"] for x in "qkv"])
+        if p + "self_attn.q_proj.bias" in weights:
+            out[f"layers.{i}.bqkv"] = np.concatenate([weights[p + f"self_attn.{x}_proj.bias"] for x in "qkv"])
         out[f"layers.{i}.wo"] = weights[p + "self_attn.o_proj.weight"]
         out[f"layers.{i}.ffn_norm"] = weights[p + "post_attention_layernorm.weight"]
         out[f"layers.{i}.w_gate_up"] = np.concatenate([weights[p + "mlp.gate_proj.weight"],
@@ -244,12 +249,15 @@ def write_sentencepiece(path, vocab_size: int = 64) -> Path:
 
 
 def randomize_llama_weights(model) -> None:
-    """Give a transformers Llama weights large enough for well-separated logits (draws from torch's RNG)."""
+    """Give a transformers Llama, Mistral or Qwen2 weights large enough for well-separated logits
+    (draws from torch's RNG). Biases (Qwen2's Q/K/V) are O(1), like the large ones trained models have."""
     import torch
 
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.copy_(1 + 0.2 * torch.randn_like(p))
+            elif name.endswith(".bias"):
+                p.copy_(torch.randn_like(p))
             else:
                 p.copy_(torch.randn_like(p) / (1.0 if "embed" in name else p.shape[1] ** 0.5))

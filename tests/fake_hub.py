@@ -1,5 +1,6 @@
 """A tiny stand-in for the Hugging Face Hub, for tests only: its local cache layout (write_cached_repo,
-for offline runs) and its HTTP API (FakeHub: 127.0.0.1 only, bounded, in a thread).
+for offline runs; SnapshotDownload, for huggingface_hub.snapshot_download in-process) and its HTTP API
+(FakeHub: 127.0.0.1 only, bounded, in a thread).
 
 It implements just what huggingface_hub's own client calls for
   create_repo      POST /api/repos/create
@@ -158,11 +159,29 @@ def write_cached_repo(cache_dir, repo_id: str, files: dict[str, bytes], commit: 
         blob.write_bytes(data)
         link = snapshot / path
         link.parent.mkdir(parents=True, exist_ok=True)
+        if link.is_symlink():            # a later download into the same snapshot
+            link.unlink()
         link.symlink_to(os.path.relpath(blob, link.parent))
     for ref in refs:
         (repo_folder / "refs" / ref).parent.mkdir(parents=True, exist_ok=True)
         (repo_folder / "refs" / ref).write_text(commit)
     return snapshot
+
+
+class SnapshotDownload:
+    """Stands in for huggingface_hub.snapshot_download: serves a local folder as a repo at one commit,
+    records which files were asked for, and lays them out in `cache` as the real client does
+    (write_cached_repo: shards are relative links into ../../blobs/). Returns the snapshot folder."""
+
+    COMMIT = "0123456789abcdef0123456789abcdef01234567"
+
+    def __init__(self, remote: Path, cache: Path):
+        self.remote, self.cache, self.calls = Path(remote), Path(cache), []
+
+    def __call__(self, repo_id, revision=None, token=None, allow_patterns=None, **kwargs):
+        self.calls.append({"repo_id": repo_id, "revision": revision, "token": token, "patterns": list(allow_patterns)})
+        files = {p.name: p.read_bytes() for p in self.remote.iterdir() if p.name in allow_patterns}
+        return str(write_cached_repo(self.cache, repo_id, files, self.COMMIT))
 
 
 class HttpError(Exception):

@@ -20,13 +20,19 @@ CONVERSATIONS = [
 SPECIALS = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
 
 
+def converted(folder, hf_config: dict):
+    """(runtime tokenizer, chat template, special tokens) as tinyconvert embeds them for the folder."""
+    from tinyinfer.convert.tokenizer_files import hf_tokenizer
+
+    meta, template, _ = hf_tokenizer(folder, hf_config)
+    return Tokenizer.from_metadata(meta), template, meta["special_tokens"]
+
+
 @pytest.fixture(scope="module")
 def tinyllama(shared_assets):
     folder = shared_assets / "tinyllama-1.1b-chat-v1.0"
-    config = json.loads((folder / "tokenizer_config.json").read_text())
-    tokenizer = Tokenizer.from_metadata(dict(kind="hf-json", tokenizer_json=(folder / "tokenizer.json").read_text(),
-                                             bos_id=1, eos_ids=[2], add_bos=True, special_tokens=SPECIALS))
-    return folder, config["chat_template"], tokenizer
+    tokenizer, template, _ = converted(folder, json.loads((folder / "config.json").read_text()))
+    return folder, template, tokenizer
 
 
 @pytest.mark.parametrize("add_generation_prompt", [True, False])
@@ -45,8 +51,7 @@ def test_tinyllama_chat_ids_equal_transformers_plus_one_bos(tinyllama):
     BOS, so we add the one BOS the model was trained with (as llama.cpp does), and only that one."""
     transformers = pytest.importorskip("transformers")
     folder, template, tokenizer = tinyllama
-    reference = transformers.PreTrainedTokenizerFast(tokenizer_file=str(folder / "tokenizer.json"), **SPECIALS)
-    reference.chat_template = template
+    reference = transformers.AutoTokenizer.from_pretrained(str(folder))
     for messages in CONVERSATIONS:
         expected = reference.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
         expected = list(expected["input_ids"] if hasattr(expected, "keys") else expected)
@@ -101,3 +106,62 @@ def test_no_template_and_bad_messages_give_clear_errors():
         render_chat(None, CONVERSATIONS[0], SPECIALS)
     with pytest.raises(ChatTemplateError, match="'role' and 'content'"):
         render("x", messages=[{"text": "hi"}])
+
+
+# ------------------------------------------------------------------ Llama 3 and Qwen2 style templates
+
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "description": "Its name"}},
+                   "required": ["city"]}}}]
+TOOL_CONVERSATION = [
+    {"role": "system", "content": "Use the tools."},
+    {"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "content": None,
+     "tool_calls": [{"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+    {"role": "tool", "content": "22 C, sunny"},
+    {"role": "user", "content": "Thanks!"},
+]
+FAMILIES = {"llama3": {"model_type": "llama", "bos_token_id": 128000, "eos_token_id": [128001, 128008, 128009]},
+            "qwen2": {"model_type": "qwen2", "bos_token_id": 151643, "eos_token_id": 151645}}
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family(request, tmp_path_factory):
+    """(name, AutoTokenizer, our tokenizer, template, special tokens) for a test-built Llama 3 or Qwen2 folder."""
+    transformers = pytest.importorskip("transformers")
+    from tokenizer_samples import write_llama3_tokenizer, write_qwen2_tokenizer
+
+    folder = tmp_path_factory.mktemp(request.param)
+    (write_llama3_tokenizer if request.param == "llama3" else write_qwen2_tokenizer)(folder)
+    (folder / "config.json").write_text(json.dumps(FAMILIES[request.param]))
+    tokenizer, template, specials = converted(folder, FAMILIES[request.param])
+    return request.param, transformers.AutoTokenizer.from_pretrained(str(folder)), tokenizer, template, specials
+
+
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+@pytest.mark.parametrize("tools", [None, TOOLS], ids=["no-tools", "tools"])
+def test_family_templates_render_like_transformers(family, add_generation_prompt, tools):
+    """Default system messages, a tools section (tojson), tool calls and results, trim, and Llama 3's
+    date line: with date_string given, and from strftime_now (today's date in both renderings)."""
+    name, reference, _, template, specials = family
+    for messages in CONVERSATIONS + [TOOL_CONVERSATION]:
+        for extra in ({}, {"date_string": "26 Jul 2024"}):
+            expected = reference.apply_chat_template(messages, tools=tools, tokenize=False,
+                                                     add_generation_prompt=add_generation_prompt, **extra)
+            ours = render_chat(template, messages, specials, add_generation_prompt, tools=tools, **extra)
+            assert ours == expected, (name, messages, extra)
+    if name == "llama3":
+        assert "Today Date: 26 Jul 2024" in render_chat(template, CONVERSATIONS[0], specials, date_string="26 Jul 2024")
+
+
+def test_family_chat_ids_equal_transformers(family):
+    """The Llama 3 template writes <|begin_of_text|> itself and Qwen2 has no BOS: the ids are exactly
+    transformers' (which encodes the rendered text without adding special tokens)."""
+    name, reference, tokenizer, template, _ = family
+    for messages in CONVERSATIONS + [TOOL_CONVERSATION]:
+        expected = reference.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+        expected = list(expected["input_ids"] if hasattr(expected, "keys") else expected)
+        assert encode_chat(tokenizer, template, messages) == expected, name
+    first = encode_chat(tokenizer, template, CONVERSATIONS[0])
+    assert (first[0] == 128000 and first.count(128000) == 1) if name == "llama3" else 151644 in first[:1]

@@ -2,7 +2,7 @@
 the shared stories260K-hf folder, refused inputs, the CLI and the Hub download logic."""
 
 import json
-import shutil
+import os
 from pathlib import Path
 
 import numpy as np
@@ -11,6 +11,7 @@ from click.testing import CliRunner
 
 from checkpoints import (TINYLLAMA, assert_tinf_matches, fused_source, tinf_logits,  # noqa: E402
                          write_hf_llama)
+from fake_hub import SnapshotDownload  # noqa: E402
 
 from tinyinfer.convert import ConvertError, convert_checkpoint  # noqa: E402
 from tinyinfer.convert import hub, pipeline  # noqa: E402
@@ -86,7 +87,8 @@ def test_metadata(tmp_path):
     assert meta["config"] == {
         "architecture": "llama", "dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "head_dim": 16,
         "ffn_dim": 96, "vocab_size": 256, "norm_eps": 1e-5, "rope_theta": 10000.0,
-        "rope_scaling": {"rope_type": "linear", "factor": 2.0}, "max_context": 256, "tied_embeddings": False}
+        "rope_scaling": {"rope_type": "linear", "factor": 2.0}, "max_context": 256, "tied_embeddings": False,
+        "qkv_bias": False, "sliding_window": None}
     tok = meta["tokenizer"]
     assert tok["kind"] == "hf-json" and tok["tokenizer_json"] == (src / "tokenizer.json").read_text()
     assert tok["tokenizer_model"] is None and tok["bos_id"] == 1 and tok["add_bos"] is True
@@ -118,11 +120,36 @@ def test_llama3_rope_gqa_and_chat_template_file(tmp_path):
         assert f.metadata["tokenizer"]["eos_ids"] == [2, 3, 4]
 
 
-def test_mistral_without_sliding_window(tmp_path):
+@pytest.mark.parametrize("overrides,window", [
+    ({"model_type": "mistral", "sliding_window": None}, None),
+    ({"model_type": "mistral", "sliding_window": 32}, 32),
+    ({"model_type": "mistral"}, None),                          # transformers' default 4096: beyond the context
+    ({"model_type": "mistral", "sliding_window": 128}, None),   # as long as the context: no window
+    ({"model_type": "llama", "sliding_window": 32}, None),      # Llama has none
+])
+def test_sliding_window_as_transformers_reads_it(tmp_path, overrides, window):
     src = tmp_path / "ckpt"
-    write_hf_llama(src, model_type="mistral", sliding_window=None, architectures=["MistralForCausalLM"])
+    write_hf_llama(src, **overrides)
     with open_tinf(convert(src, tmp_path / "m.tinf")) as f:
-        assert f.config["architecture"] == "llama"
+        assert f.config["architecture"] == "llama" and f.config["qkv_bias"] is False
+        assert f.config["sliding_window"] == window
+
+
+@pytest.mark.parametrize("overrides,window", [
+    ({}, None),
+    ({"sliding_window": 32}, None),                                       # used only with use_sliding_window
+    ({"use_sliding_window": True, "sliding_window": 32, "max_window_layers": 0}, 32),
+    ({"use_sliding_window": True, "sliding_window": 32, "max_window_layers": 2}, None),   # no layer has it
+])
+def test_qwen2_biases_and_window(tmp_path, overrides, window):
+    src = tmp_path / "ckpt"
+    weights = write_hf_llama(src, model_type="qwen2", tied=True, **overrides)
+    out = convert(src, tmp_path / "m.tinf", quant="q8")
+    with open_tinf(out) as f:
+        assert f.config["qkv_bias"] is True and f.config["sliding_window"] == window
+        assert f.names.index("layers.0.bqkv") == f.names.index("layers.0.wqkv") + 1
+        assert f.info("layers.1.bqkv").encoding == "f32" and f.info("layers.1.bqkv").shape == (128,)
+    assert_tinf_matches(out, expected_tensors(weights, {"n_layers": 2}))
 
 
 def test_default_output_name(tmp_path, monkeypatch):
@@ -238,8 +265,11 @@ BAD_INPUTS = {
     "architecture": (break_config(model_type="gpt_neox"), "model_type 'gpt_neox' is not supported", {}),
     "rope scaling": (break_config(rope_scaling={"rope_type": "yarn", "factor": 4.0}), "'yarn' is not supported", {}),
     "attention bias": (break_config(attention_bias=True), "attention_bias=true is not supported", {}),
+    "mlp bias": (break_config(mlp_bias=True), "mlp_bias=true is not supported", {}),
     "activation": (break_config(hidden_act="gelu"), "hidden_act 'gelu'", {}),
-    "sliding window": (break_config(model_type="mistral", sliding_window=64), "sliding-window", {}),
+    "mixed windows": (break_config(model_type="qwen2", use_sliding_window=True, sliding_window=16, max_window_layers=1),
+                      "some layers use a sliding window and others full attention", {}),
+    "bad window": (break_config(model_type="mistral", sliding_window=0), "sliding_window 0 is not a positive", {}),
     "quantized": (break_config(quantization_config={"quant_method": "gptq"}), "already-quantized", {}),
     "shape": (break_config(intermediate_size=100), "has shape [96, 64] where the config implies [100, 64]", {}),
     "missing tensor": (drop_tensor("model.layers.1.mlp.up_proj.weight"), "tensor model.layers.1.mlp.up_proj.weight is missing", {}),
@@ -273,6 +303,10 @@ SHARDED_BAD = {
     "path outside": (edit_index(lambda m: m.update({"model.norm.weight": "../elsewhere.safetensors"})),
                      "names shard '../elsewhere.safetensors', which is not a .safetensors file inside"),
     "absolute path": (edit_index(lambda m: m.update({"model.norm.weight": "/etc/passwd"})), "names shard '/etc/passwd'"),
+    "dot-dot name": (edit_index(lambda m: m.update({"model.norm.weight": "sub/../model-00003-of-00003.safetensors"})),
+                     "names shard 'sub/../model-00003-of-00003.safetensors'"),
+    "backslash dot-dot": (edit_index(lambda m: m.update({"model.norm.weight": "..\\elsewhere.safetensors"})),
+                          "which is not a .safetensors file inside"),
     "tensor in wrong shard": (edit_index(lambda m: m.update({"model.norm.weight": "model-00001-of-00003.safetensors"})),
                               "which does not contain it"),
     "tensor not in index": (edit_index(lambda m: m.pop("lm_head.weight")), "tensor lm_head.weight is missing"),
@@ -357,25 +391,6 @@ def test_cli_error_is_one_line(tmp_path):
 # ---------------------------------------------------------------------------------------------- Hub
 
 
-class FakeHub:
-    """Stands in for huggingface_hub.snapshot_download: serves a local folder as a repo, records
-    which files were asked for, and materialises them in a snapshot folder named by a commit."""
-
-    COMMIT = "0123456789abcdef0123456789abcdef01234567"
-
-    def __init__(self, remote: Path, cache: Path):
-        self.remote, self.cache, self.calls = remote, cache, []
-
-    def __call__(self, repo_id, revision=None, token=None, allow_patterns=None, **kwargs):
-        self.calls.append({"repo_id": repo_id, "revision": revision, "token": token, "patterns": list(allow_patterns)})
-        snapshot = self.cache / self.COMMIT
-        snapshot.mkdir(parents=True, exist_ok=True)
-        for path in self.remote.iterdir():
-            if path.name in allow_patterns:
-                shutil.copy(path, snapshot / path.name)
-        return str(snapshot)
-
-
 @pytest.fixture
 def fake_hub(tmp_path, monkeypatch):
     import huggingface_hub
@@ -384,25 +399,53 @@ def fake_hub(tmp_path, monkeypatch):
     write_hf_llama(remote, shards=2)
     (remote / "pytorch_model.bin").write_bytes(b"not needed")
     (remote / "consolidated.safetensors").write_bytes(b"not needed either")
-    fake = FakeHub(remote, tmp_path / "cache")
+    fake = SnapshotDownload(remote, tmp_path / "cache")
     monkeypatch.setattr(huggingface_hub, "snapshot_download", fake)
     return fake
 
 
 def test_hub_downloads_only_needed_files(tmp_path, fake_hub, monkeypatch):
+    """A sharded checkpoint laid out as the Hub cache does (every shard a relative link into
+    ../../blobs/) converts, and only the shards the index names are fetched, at the metadata's commit."""
     monkeypatch.chdir(tmp_path)
     out = convert_checkpoint("someone/tiny-llama", revision="main", token="hf_x", progress=False)
     assert out == Path("tiny-llama-q4.tinf")
     metadata_call, weights_call = fake_hub.calls
     assert metadata_call["revision"] == "main" and metadata_call["token"] == "hf_x"
     assert not any(p.endswith(".safetensors") for p in metadata_call["patterns"])
-    assert weights_call["revision"] == FakeHub.COMMIT      # weights pinned to the metadata's commit
+    assert weights_call["revision"] == SnapshotDownload.COMMIT      # weights pinned to the metadata's commit
     assert sorted(weights_call["patterns"]) == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
-    downloaded = {p.name for p in (fake_hub.cache / FakeHub.COMMIT).iterdir()}
+    snapshot = fake_hub.cache / "models--someone--tiny-llama" / "snapshots" / SnapshotDownload.COMMIT
+    downloaded = {p.name for p in snapshot.iterdir()}
     assert "pytorch_model.bin" not in downloaded and "consolidated.safetensors" not in downloaded
+    shard = snapshot / "model-00001-of-00002.safetensors"
+    assert shard.is_symlink() and Path(os.readlink(shard)).parts[:2] == ("..", "..")
     with open_tinf(out) as f:
         assert f.metadata["provenance"]["source"] == "someone/tiny-llama"
-        assert f.metadata["provenance"]["revision"] == FakeHub.COMMIT
+        assert f.metadata["provenance"]["revision"] == SnapshotDownload.COMMIT
+
+
+def test_sharded_checkpoint_through_the_real_hub_client(tmp_path):
+    """tinyconvert ORG/REPO in a subprocess, huggingface_hub itself downloading from the FakeHub on
+    127.0.0.1 into a fresh HF_HOME: its cache holds the shards as links into ../../blobs/, and they
+    convert to the checkpoint's tensors."""
+    import subprocess
+    import sys
+
+    from fake_hub import FakeHub, hub_env
+
+    remote = tmp_path / "remote"
+    weights = write_hf_llama(remote, shards=3, dtype="f32")
+    with FakeHub() as server:
+        commit = server.add_repo("org/sharded", {p.name: p.read_bytes() for p in remote.iterdir()})
+        proc = subprocess.run([sys.executable, "-m", "tinyinfer.convert.cli", "org/sharded", "-o", "m.tinf",
+                               "--quant", "f16"], cwd=tmp_path, env=hub_env(tmp_path / "hf", server.url),
+                              capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    snapshot = tmp_path / "hf" / "hub" / "models--org--sharded" / "snapshots" / commit
+    shards = sorted(snapshot.glob("*.safetensors"))
+    assert len(shards) == 3 and all(p.is_symlink() and os.readlink(p).startswith("../../blobs/") for p in shards)
+    assert_tinf_matches(tmp_path / "m.tinf", expected_tensors(weights, {"n_layers": 2}))
 
 
 def test_hub_config_refused_before_weights_are_fetched(tmp_path, fake_hub):
@@ -438,16 +481,13 @@ def test_repo_id_detection():
     assert not hub.looks_like_repo_id("a/b/c") and not hub.looks_like_repo_id("../x")
 
 
-def test_add_bos_defaults_to_what_the_post_processor_does(tmp_path):
-    """Without add_bos_token in tokenizer_config.json, BOS is added only if tokenizer.json's template adds one."""
-    import json
-
-    from tinyinfer.convert.tokenizer_files import default_add_bos
+def test_add_bos_defaults_to_what_the_post_processor_does():
+    """Without add_bos_token or add_eos_token in tokenizer_config.json, BOS is added only if
+    tokenizer.json's template adds one; with either, exactly when add_bos_token is true (transformers)."""
+    from tinyinfer.convert.tokenizer_files import adds_bos, default_add_bos
 
     def tokenizer_json(post_processor):
-        path = tmp_path / "tokenizer.json"
-        path.write_text(json.dumps({"post_processor": post_processor}))
-        return path
+        return json.dumps({"post_processor": post_processor})
 
     llama = {"type": "TemplateProcessing", "single": [{"SpecialToken": {"id": "<s>"}}, {"Sequence": {"id": "A"}}]}
     qwen = {"type": "ByteLevel"}
@@ -455,4 +495,7 @@ def test_add_bos_defaults_to_what_the_post_processor_does(tmp_path):
     assert default_add_bos(tokenizer_json({"type": "Sequence", "processors": [qwen, llama]})) is True
     assert default_add_bos(tokenizer_json(qwen)) is False
     assert default_add_bos(tokenizer_json(None)) is False
-    assert default_add_bos(tmp_path / "absent.json") is True   # bare sentencepiece model
+    assert default_add_bos(None) is True   # bare sentencepiece model
+    assert adds_bos({"add_bos_token": False}, tokenizer_json(llama)) is False
+    assert adds_bos({"add_eos_token": True}, tokenizer_json(llama)) is False
+    assert adds_bos({"add_bos_token": True}, tokenizer_json(qwen)) is True

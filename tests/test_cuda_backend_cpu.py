@@ -173,6 +173,24 @@ def test_gemv_reference_is_the_reference_math():
                                w @ ref.rms_norm(x[:96], norm, 1e-5) + x[:50], rtol=1e-5, atol=1e-6)
 
 
+def test_qwen2_qkv_gemv_adds_its_bias_as_it_stores():
+    """The bias output: its own instantiation, the reference adds the bias after the normalised
+    product, and a launch without the bias (or with one where none is added) is refused."""
+    rng = np.random.default_rng(3)
+    t = random_encoded("q4", (1152, 896), 64, rng)
+    shape = gemv_k.shape_of(t, "rmsnorm", "store_bias")
+    assert gemv_k.name_expression(shape, gemv_k.GemvConfig(1, 8)) == "gemv<2,64,1,1,5,1,4,0,1,0,0>"
+    assert not gemv_k.splittable(shape) and gemv_k.can_stagger(shape, gemv_k.GemvConfig(1, 8, depth=1))
+    x, norm, bias = (rng.standard_normal(n).astype(np.float32) for n in (896, 896, 1152))
+    np.testing.assert_allclose(gemv_k.gemv_reference(t, x, "rmsnorm", norm, 1e-5, output="store_bias", bias=bias),
+                               t.to_float32() @ ref.rms_norm(x, norm, 1e-5) + bias, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="a bias is passed exactly when"):
+        gemv_k.make_gemv(None, shape, gemv_k.GemvConfig(), None, None, None)
+    with pytest.raises(ValueError, match="a bias is passed exactly when"):
+        gemv_k.make_gemv(None, gemv_k.shape_of(t, "rmsnorm", "store"), gemv_k.GemvConfig(), None, None, None,
+                         bias=np.zeros(1152, np.float32))
+
+
 def test_attention_reference_matches_the_numpy_backend_math():
     rng = np.random.default_rng(2)
     n_heads, n_kv, hd, pos = 8, 2, 16, 5
@@ -185,6 +203,9 @@ def test_attention_reference_matches_the_numpy_backend_math():
     keys, values = cache_k.copy(), cache_v.copy()
     keys[pos], values[pos] = k_row, v_row
     np.testing.assert_allclose(out, ref.attention(q, keys, values, np.array([pos]))[0], rtol=1e-6)
+    windowed, _, _ = attn_k.attention_reference(qkv, cache_k, cache_v, pos, n_heads, n_kv, hd, cos, sin, window=3)
+    np.testing.assert_allclose(windowed, ref.attention(q, keys, values, np.array([pos]), 3)[0], rtol=1e-6)
+    assert not np.allclose(windowed, out, atol=1e-3)
     assert attn_k.n_slices(4, 2048, 132, False) == 64 and attn_k.n_slices(32, 272, 132, False) == 9
     assert attn_k.n_slices(32, 16, 132, False) == 1 and attn_k.n_slices(4, 2048, 132, True) == attn_k.CLUSTER_SIZE
     assert attn_k.uses_cluster(90) and not attn_k.uses_cluster(86)

@@ -31,12 +31,13 @@ MAX_ERROR = 1e-3
 SHAPES = {
     "tinyllama-qkv": (2560, 2048), "tinyllama-down": (2048, 5632), "llama7b-down": (4096, 11008),
     "llama7b-gate-up": (22016, 4096), "tinyllama-gate-up": (11264, 2048), "odd": (100, 200),
-    "odd-small": (37, 72), "odd-gate-up": (74, 200), "tiny": (16, 8),
+    "odd-small": (37, 72), "odd-gate-up": (74, 200), "tiny": (16, 8), "qwen2.5-qkv": (1152, 896), "odd-bias": (100, 200),
 }
 FUSIONS = {   # shape -> (input, output) as the model uses that matrix
     "tinyllama-qkv": ("rmsnorm", "store"), "tinyllama-down": ("plain", "add"), "llama7b-down": ("plain", "add"),
     "llama7b-gate-up": ("rmsnorm", "swiglu"), "tinyllama-gate-up": ("rmsnorm", "swiglu"), "odd": ("plain", "add"),
     "odd-small": ("rmsnorm", "store"), "odd-gate-up": ("plain", "swiglu"), "tiny": ("plain", "store"),
+    "qwen2.5-qkv": ("rmsnorm", "store_bias"), "odd-bias": ("rmsnorm", "store_bias"),
 }
 
 
@@ -62,12 +63,14 @@ def run_gemv(cp, cc, tensor, input, output, config, rng, x=None, mod=None):
     x = rng.standard_normal(k).astype(np.float32) if x is None else x
     aux = (1 + 0.1 * rng.standard_normal(k)).astype(np.float32) if input == "rmsnorm" else None
     residual = rng.standard_normal(tensor.rows).astype(np.float32) if output == "add" else None
+    bias = 3 * rng.standard_normal(tensor.rows).astype(np.float32) if output == "store_bias" else None
     y = cp.asarray(residual) if residual is not None else cp.full(gemv_k.output_rows(shape), np.nan, dtype=cp.float32)
     launch = gemv_k.make_gemv(mod, shape, config, cp.asarray(device_bytes(tensor, shape)), cp.asarray(x), y,
-                              cp.asarray(aux) if aux is not None else None, 1e-5)
+                              cp.asarray(aux) if aux is not None else None, 1e-5,
+                              bias=cp.asarray(bias) if bias is not None else None)
     launch()
     cp.cuda.Device().synchronize()
-    expected = gemv_k.gemv_reference(tensor, x, input, aux, 1e-5, residual, output)
+    expected = gemv_k.gemv_reference(tensor, x, input, aux, 1e-5, residual, output, bias)
     got = y.get()
     assert np.isfinite(got).all(), "unwritten or non-finite outputs"
     return relative_error(got, expected)
@@ -88,7 +91,7 @@ def test_gemv_every_shape_class(cupy_gpu, cc, encoding, name):
 def test_gemv_every_tuning_candidate(cupy_gpu, cc, encoding, row_tiles, warps):
     rng = np.random.default_rng(row_tiles * 10 + warps)
     tensor = random_encoded(encoding, (1000, 1000), None if encoding == "f16" else 64, rng, 1 / np.sqrt(1000))
-    for input, output in [("plain", "add"), ("rmsnorm", "swiglu")]:
+    for input, output in [("plain", "add"), ("rmsnorm", "swiglu"), ("rmsnorm", "store_bias")]:
         error = run_gemv(cupy_gpu, cc, tensor, input, output, gemv_k.GemvConfig(row_tiles, warps), rng)
         assert error <= MAX_ERROR, f"R={row_tiles} warps={warps} {input}>{output}: {error:.2e}"
 
@@ -118,7 +121,8 @@ def test_gemv_split_k_in_clusters(cupy_gpu, cc, encoding, name):
 # groups per thread (whose last ring slot loads after the staging, none before the wait at depth 1),
 # an odd size with a partial chunk, and many tiles per block (the ring runs across tile boundaries).
 DEPTH_SHAPES = {"tinyllama-down": ((2048, 5632), "plain", "add"), "norm-two-groups": ((600, 4096), "rmsnorm", "swiglu"),
-                "odd": ((100, 200), "rmsnorm", "store"), "many-tiles": ((9000, 264), "plain", "store")}
+                "odd": ((100, 200), "rmsnorm", "store"), "many-tiles": ((9000, 264), "plain", "store"),
+                "qwen2.5-qkv-bias": ((1152, 896), "rmsnorm", "store_bias")}
 
 
 @pytest.mark.parametrize("encoding", ["f16", "q8", "q4"])
@@ -258,7 +262,8 @@ def test_gemv_folds_the_greedy_argmax(cupy_gpu, cc, encoding, name):
 
 ATTENTION_SHAPES = {   # (n_heads, n_kv_heads, head_dim)
     "tinyllama": (32, 4, 64), "llama7b": (32, 32, 128), "stories260k": (8, 4, 8), "mqa": (8, 1, 64),
-    "odd": (12, 3, 96), "llama70b": (64, 8, 128), "mqa-wide": (64, 1, 128),
+    "odd": (12, 3, 96), "llama70b": (64, 8, 128), "mqa-wide": (64, 1, 128), "qwen2.5": (14, 2, 64),
+    "mistral-7b": (32, 8, 128),
 }
 
 
@@ -301,16 +306,19 @@ def test_attention_matches_reference(cupy_gpu, cc, name, cluster, threads, kerne
     check_attention(cp, mod, name, kernel, slices, threads, max_ctx, cos, sin, seed=len(name) + 2 * cluster + threads)
 
 
-def check_attention(cp, mod, name, kernel, slices, threads, max_ctx, cos, sin, seed):
+def check_attention(cp, mod, name, kernel, slices, threads, max_ctx, cos, sin, seed, window=None,
+                    positions=(0, 1, 31, 32, 33, 200, 1099)):
     """One attention launch against the reference at positions with a context of one row, of one
-    or more blocks of rows, and of several passes."""
+    or more blocks of rows, and of several passes; with a sliding window, of the window's rows only."""
     n_heads, n_kv, hd = ATTENTION_SHAPES[name]
     rng = np.random.default_rng(seed + len(kernel))
-    for pos in [0, 1, 31, 32, 33, 200, 1099]:
+    for pos in positions:
         cache_k = rng.standard_normal((max_ctx, n_kv, hd)).astype(np.float16)
         cache_v = rng.standard_normal((max_ctx, n_kv, hd)).astype(np.float16)
         cache_k[pos:] = np.nan                    # the kernel must write row pos and never read beyond
         cache_v[pos:] = np.nan
+        first = ref.first_key(pos, window)
+        cache_k[:first] = cache_v[:first] = np.nan   # nor before the window (the reference skips those rows)
         qkv = rng.standard_normal((n_heads + 2 * n_kv) * hd).astype(np.float32)
         k_dev, v_dev = cp.asarray(cache_k), cp.asarray(cache_v)
         out = cp.full(n_heads * hd, np.nan, dtype=cp.float32)
@@ -318,20 +326,55 @@ def check_attention(cp, mod, name, kernel, slices, threads, max_ctx, cos, sin, s
         launch = attn_k.make_attention(
             mod, n_heads, n_kv, hd, slices, threads, cp.asarray(qkv), k_dev, v_dev, cp.asarray(np.array([pos, 0, 0, 0], np.int32)),
             cp.asarray(cos), cp.asarray(sin), cp.zeros(n_heads * slices * hd, cp.float32),
-            cp.zeros(n_heads * slices * 2, cp.float32), counters, out, kernel=kernel)
+            cp.zeros(n_heads * slices * 2, cp.float32), counters, out, kernel=kernel, window=window)
         expected, k_row, v_row = attn_k.attention_reference(qkv, cache_k.astype(np.float32),
-                                                            cache_v.astype(np.float32), pos, n_heads, n_kv, hd, cos, sin)
+                                                            cache_v.astype(np.float32), pos, n_heads, n_kv, hd, cos, sin,
+                                                            window)
         for repeat in range(2):                   # the merge counters must be back at zero
             out.fill(np.nan)
             launch()
             got = out.get()
             assert np.isfinite(got).all(), f"pos {pos}: unwritten outputs"
             error = relative_error(got, expected)
-            assert error <= MAX_ERROR, f"{name} {threads} threads {slices} slices pos {pos} (run {repeat}): {error:.2e}"
+            assert error <= MAX_ERROR, (f"{name} {threads} threads {slices} slices window {window} pos {pos} "
+                                        f"(run {repeat}): {error:.2e}")
             assert not counters.get().any()
         # k is rotated in fp32 (the GPU may fuse a multiply-add) then stored as fp16: within one fp16 ulp.
         np.testing.assert_allclose(k_dev[pos].get().astype(np.float32), k_row, rtol=1e-3, atol=1e-7)
         np.testing.assert_array_equal(v_dev[pos].get(), v_row.astype(np.float16))
+
+
+@pytest.mark.parametrize("name", ["tinyllama", "llama7b", "odd", "mqa", "qwen2.5", "mistral-7b"])
+@pytest.mark.parametrize("cluster", [True, False], ids=["cluster-merge", "global-merge"])
+@pytest.mark.parametrize("kernel", ["attention", "attention_rows", "attention_mma"])
+@pytest.mark.parametrize("window", [1, 16, 100, 300])
+def test_attention_with_a_sliding_window(cupy_gpu, cc, name, cluster, kernel, window):
+    """Each kernel reads only the window's rows (those before it are NaN) and gives the reference at
+    positions before, at and past the window's length: a window of one row, of less than one of
+    attention_mma's 16-row blocks, of a few blocks, and of more than one block's pass (256 or 128
+    rows), with attention_mma's context split over 2, 3 and 8 blocks too."""
+    cp = cupy_gpu
+    if cluster and cc < attn_k.CLUSTER_MIN_COMPUTE_CAPABILITY:
+        pytest.skip("thread-block clusters need compute capability 9.0")
+    if cluster and kernel == "attention_rows":
+        pytest.skip(f"{kernel} merges nothing")
+    n_heads, n_kv, hd = ATTENTION_SHAPES[name]
+    threads = attn_k.MMA_THREADS if kernel == "attention_mma" else attn_k.threads_for(n_heads, n_kv, hd, 8, 132)
+    if kernel == "attention_mma":
+        if not attn_k.mma_fits(n_heads, n_kv, hd):
+            pytest.skip("attention_mma serves groups of at most 8 heads of head_dim 64 or 128")
+        kernel = f"attention_mma{hd}"
+    max_ctx = 1100
+    positions = sorted({0, 1, window - 1, window, window + 1, 2 * window + 5, 600, 1099})
+    cos, sin = ref.rope_tables(hd, max_ctx, 10000.0, None)
+    mod = attn_k.compile_attention(cc, cluster)
+    sms = cp.cuda.runtime.getDeviceProperties(0)["multiProcessorCount"]
+    if kernel.startswith("attention_mma"):
+        for slices in (1, 2, 3, 8) if cluster else (1,):
+            check_attention(cp, mod, name, kernel, slices, threads, max_ctx, cos, sin, 7 * slices, window, positions)
+        return
+    slices = {"attention_rows": n_heads // n_kv, "attention": attn_k.n_slices(n_kv, max_ctx, sms, cluster)}[kernel]
+    check_attention(cp, mod, name, kernel, slices, threads, max_ctx, cos, sin, window, window, positions)
 
 
 # ----------------------------------------------------------------------------------------- sampling

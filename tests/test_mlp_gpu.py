@@ -97,7 +97,7 @@ def test_fused_mlp_is_repeatable_bit_for_bit(cupy_gpu, cc):
 # of x per thread), the o projections.
 PENDING_READERS = [("rmsnorm_pending", "store", 2560, 2048), ("rmsnorm_pending", "store_argmax", 32000, 2048),
                    ("rmsnorm_pending", "store", 12288, 4096), ("plain", "add_pending", 2048, 2048),
-                   ("plain", "add_pending", 4096, 4096)]
+                   ("plain", "add_pending", 4096, 4096), ("rmsnorm_pending", "store_bias", 1152, 896)]
 
 
 @pytest.mark.parametrize("encoding", ["f16", "q4", "q8"])
@@ -105,7 +105,7 @@ PENDING_READERS = [("rmsnorm_pending", "store", 2560, 2048), ("rmsnorm_pending",
 def test_gemv_reading_the_pending_sums(cupy_gpu, cc, encoding, input, output, rows, cols):
     """rmsnorm_pending normalises the fixed-point residual (not x); add_pending stores the residual +
     W x into y and, in fixed point, into pending (y's old value is not read); the output head's
-    store_argmax also folds y's argmax into its word.
+    store_argmax also folds y's argmax into its word; Qwen2's Q/K/V projection adds its bias.
     Every tuning candidate as the backend runs it (gemv.pending_variant; the staging paths differ by
     block width), and each staggered where it can be (gemv.can_stagger)."""
     cp = cupy_gpu
@@ -122,15 +122,17 @@ def test_gemv_reading_the_pending_sums(cupy_gpu, cc, encoding, input, output, ro
         start = as_pending(rng.standard_normal(rows if output == "add_pending" else cols))
         pending = cp.asarray(start)
         best = cp.zeros(1, dtype=cp.uint64) if output == "store_argmax" else None
+        bias = 3 * rng.standard_normal(rows).astype(np.float32) if output == "store_bias" else None
         if output != "add_pending":
             aux = (1 + 0.1 * rng.standard_normal(cols)).astype(np.float32)
             y = cp.full(rows, np.nan, dtype=cp.float32)
-            expected = gemv_k.gemv_reference(tensor, from_pending(start), "rmsnorm", aux, 1e-5)
+            expected = gemv_k.gemv_reference(tensor, from_pending(start), "rmsnorm", aux, 1e-5, bias=bias)
             aux = cp.asarray(aux)
         else:
             aux, y = None, cp.full(rows, np.nan, dtype=cp.float32)
             expected = gemv_k.gemv_reference(tensor, x, "plain", None, 0.0, from_pending(start), "add")
-        gemv_k.make_gemv(mod, shape, config, weights, cp.asarray(x), y, aux, 1e-5, pending=pending, best=best)()
+        gemv_k.make_gemv(mod, shape, config, weights, cp.asarray(x), y, aux, 1e-5, pending=pending, best=best,
+                         bias=cp.asarray(bias) if bias is not None else None)()
         error = relative_error(y.get(), expected)
         assert error <= MAX_ERROR, f"{encoding} {input}>{output} {config.label}: {error:.2e}"
         if best is not None:

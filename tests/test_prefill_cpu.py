@@ -24,6 +24,8 @@ MAX_ERROR = 2e-3
 CONFIG = {"architecture": "llama", "dim": 256, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "head_dim": 64,
           "ffn_dim": 384, "vocab_size": 96, "norm_eps": 1e-5, "rope_theta": 10000.0, "rope_scaling": None,
           "max_context": 256, "tied_embeddings": False}
+# Qwen2's Q/K/V biases with a sliding window shorter than a query tile: 150 tokens cross it many times.
+BIASED_WINDOWED = {**CONFIG, "qkv_bias": True, "sliding_window": 40}
 
 
 def relative_errors(ours, theirs) -> np.ndarray:
@@ -80,43 +82,54 @@ def test_dequant_reference_rounds_the_file_dequantization_once(encoding):
     assert not out[:, 100:].any()
 
 
-def test_causal_attention_is_the_reference_attention():
+@pytest.mark.parametrize("window", [None, 7, 64])
+def test_causal_attention_is_the_reference_attention(window):
     rng = np.random.default_rng(1)
     q = rng.standard_normal((70, 8, 32)).astype(np.float32)
     k = rng.standard_normal((100, 2, 32)).astype(np.float32)
     v = rng.standard_normal((100, 2, 32)).astype(np.float32)
     positions = np.arange(25, 95)
-    fast = prefill_k.causal_attention(q, k, v, positions, block=16)
-    assert np.allclose(fast, ref.attention(q, k, v, positions), rtol=1e-5, atol=1e-5)
+    fast = prefill_k.causal_attention(q, k, v, positions, window, block=16)
+    assert np.allclose(fast, ref.attention(q, k, v, positions, window), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("start, n_tokens", [(0, 1), (0, 64), (0, 150), (37, 100), (130, 5)])
-def test_tiled_attention_matches_the_reference(start, n_tokens):
+@pytest.mark.parametrize("start, n_tokens, window", [(0, 1, None), (0, 64, None), (0, 150, None), (37, 100, None),
+                                                     (130, 5, None), (0, 150, 5), (0, 150, 64), (37, 100, 100),
+                                                     (130, 70, 16), (200, 3, 65), (0, 20, 300)])
+def test_tiled_attention_matches_the_reference(start, n_tokens, window):
     """The kernel's tile walk (query tiles of 64, key tiles of 64, causal mask, online softmax in
-    base 2, P in fp16) gives the reference attention, for tiles that straddle start and the diagonal."""
+    base 2, P in fp16) gives the reference attention, for tiles that straddle start and the diagonal,
+    and with sliding windows shorter than, equal to and longer than a tile."""
     rng = np.random.default_rng(start + n_tokens)
     n_heads, n_kv, hd = 8, 2, 64
     last = start + n_tokens
     k = rng.standard_normal((last + 3, n_kv, hd)).astype(np.float16)
     v = rng.standard_normal((last + 3, n_kv, hd)).astype(np.float16)
     k[last:] = v[last:] = np.float16(np.inf)          # positions after the chunk must never be read
+    if window:                                         # nor those before the first query's window
+        first = max(0, start - window + 1) // prefill_k.TILE_K * prefill_k.TILE_K
+        k[:first] = v[:first] = np.float16(np.inf)
     q = rng.standard_normal((n_tokens, n_heads, hd)).astype(np.float32)
     scale = prefill_k.LOG2E / math.sqrt(hd)
     q16 = (q * np.float32(scale)).astype(np.float16)
-    got = prefill_k.attention_reference(np.ascontiguousarray(q16.transpose(1, 0, 2)), k, v, start)
+    got = prefill_k.attention_reference(np.ascontiguousarray(q16.transpose(1, 0, 2)), k, v, start, window)
     positions = np.arange(start, last)
-    expected = ref.attention(q16.astype(np.float32) / np.float32(scale), k[:last].astype(np.float32),
-                             v[:last].astype(np.float32), positions)
+    finite = lambda x: np.where(np.isinf(x), 0, x).astype(np.float32)     # masked rows: any finite value
+    expected = ref.attention(q16.astype(np.float32) / np.float32(scale), finite(k[:last]), finite(v[:last]),
+                             positions, window)
     assert np.isfinite(got).all()
     assert relative_errors(got, expected).max() <= MAX_ERROR
 
 
-def test_rope_store_reference_matches_the_reference_rope():
+@pytest.mark.parametrize("biased", [False, True])
+def test_rope_store_reference_matches_the_reference_rope(biased):
     rng = np.random.default_rng(2)
     n_heads, n_kv, hd, start = 4, 2, 64, 9
-    qkv = rng.standard_normal((5, (n_heads + 2 * n_kv) * hd)).astype(np.float32)
+    raw = rng.standard_normal((5, (n_heads + 2 * n_kv) * hd)).astype(np.float32)
+    bias = rng.standard_normal(raw.shape[1]).astype(np.float32) if biased else None
+    qkv = raw + bias if biased else raw        # what the reference rotates: the biased projection
     cos, sin = ref.rope_tables(hd, 32, 10000.0, None)
-    q, k, v = prefill_k.rope_store_reference(qkv, start, n_heads, n_kv, hd, cos, sin)
+    q, k, v = prefill_k.rope_store_reference(raw, start, n_heads, n_kv, hd, cos, sin, bias)
     positions = np.arange(start, start + 5)
     q_ref = ref.apply_rope(qkv[:, : n_heads * hd].reshape(5, n_heads, hd), positions, cos, sin)
     assert q.shape == (n_heads, 5, hd)
@@ -128,10 +141,11 @@ def test_rope_store_reference_matches_the_reference_rope():
 
 # --------------------------------------------------------------------------- the whole step list
 
-@pytest.fixture(scope="module", params=["q4", "q8", "f16"])
+@pytest.fixture(scope="module", params=["q4", "q8", "f16", "q8-biased-windowed"])
 def model_path(request, tmp_path_factory):
     path = tmp_path_factory.mktemp("prefill") / f"random-{request.param}.tinf"
-    return write_random_model(path, CONFIG, request.param, 32, seed=5)
+    quant = request.param.split("-")[0]
+    return write_random_model(path, BIASED_WINDOWED if "biased" in request.param else CONFIG, quant, 32, seed=5)
 
 
 def reference_run(path, ids):
@@ -145,7 +159,7 @@ def test_chunked_prefill_matches_the_reference_backend(model_path, chunk):
     ids = np.random.default_rng(3).integers(0, CONFIG["vocab_size"], 150)
     expected, k_ref, v_ref = reference_run(model_path, ids)
     ops = cuda_prefill.NumpyOps(open_tinf(model_path))
-    logits = cuda_prefill.run_prefill(ops, CONFIG, ids, 0, chunk, "all")
+    logits = cuda_prefill.run_prefill(ops, ops.config, ids, 0, chunk, "all")
     errors = relative_errors(logits, expected)
     assert errors.max() <= MAX_ERROR, f"max relative error {errors.max():.2e}"
     check_argmax(logits, expected)
@@ -159,12 +173,12 @@ def test_prefill_continues_from_a_filled_cache(model_path):
     ids = np.random.default_rng(4).integers(0, CONFIG["vocab_size"], 120)
     expected, _, _ = reference_run(model_path, ids)
     ops = cuda_prefill.NumpyOps(open_tinf(model_path))
-    first = cuda_prefill.run_prefill(ops, CONFIG, ids[:70], 0, 64, "last")
-    rest = cuda_prefill.run_prefill(ops, CONFIG, ids[70:], 70, 64, "all")
+    first = cuda_prefill.run_prefill(ops, ops.config, ids[:70], 0, 64, "last")
+    rest = cuda_prefill.run_prefill(ops, ops.config, ids[70:], 70, 64, "all")
     assert first.shape == (1, CONFIG["vocab_size"])
     assert relative_errors(first, expected[69:70]).max() <= MAX_ERROR
     assert relative_errors(rest, expected[70:]).max() <= MAX_ERROR
-    assert cuda_prefill.run_prefill(ops, CONFIG, ids[:20], 0, 64, None) is None
+    assert cuda_prefill.run_prefill(ops, ops.config, ids[:20], 0, 64, None) is None
 
 
 # -------------------------------------------------------- CudaOps' plumbing on a NumPy "device"
@@ -265,13 +279,14 @@ def fake_launches(monkeypatch):
         scales = scales.reshape(rows, -1).astype(np.float32)
         out[: rows * cols_pad] = (q * np.repeat(scales, group, axis=1)).astype(np.float16).ravel()
 
-    def rope_store(mod, qkv, n, start, n_heads, n_kv, hd, cos, sin, q_out, k_cache, v_cache):
-        q, k, v = prefill_k.rope_store_reference(qkv.reshape(n, -1), start, n_heads, n_kv, hd, cos, sin)
+    def rope_store(mod, qkv, n, start, n_heads, n_kv, hd, cos, sin, q_out, k_cache, v_cache, bias=None):
+        q, k, v = prefill_k.rope_store_reference(qkv.reshape(n, -1), start, n_heads, n_kv, hd, cos, sin,
+                                                 None if bias is None else bias[: qkv.shape[1]])
         q_out[...] = q
         k_cache[start: start + n], v_cache[start: start + n] = k, v
 
-    def attention(mod, q, k_cache, v_cache, n, start, n_heads, n_kv, hd, out):
-        out[...] = prefill_k.attention_reference(q, k_cache, v_cache, start)
+    def attention(mod, q, k_cache, v_cache, n, start, n_heads, n_kv, hd, out, window=None):
+        out[...] = prefill_k.attention_reference(q, k_cache, v_cache, start, window)
 
     def gemm(weight_ptr, n_out, k, ld_weight, x_ptr, n_tokens, ld_x, y_ptr, ld_y, accumulate, stream):
         w = host_array(weight_ptr, np.float16, n_out * ld_weight).reshape(n_out, ld_weight)[:, :k]
@@ -296,8 +311,8 @@ def test_cuda_ops_pass_the_right_buffers_pointers_and_strides(model_path, monkey
     got_all = prefill.run(ids[:100], 0, "all")
     got_last = prefill.run(ids[100:], 100, "last")
     ops = cuda_prefill.NumpyOps(tinf)
-    expected_all = cuda_prefill.run_prefill(ops, CONFIG, ids[:100], 0, 64, "all")
-    expected_last = cuda_prefill.run_prefill(ops, CONFIG, ids[100:], 100, 64, "last")
+    expected_all = cuda_prefill.run_prefill(ops, ops.config, ids[:100], 0, 64, "all")
+    expected_last = cuda_prefill.run_prefill(ops, ops.config, ids[100:], 100, 64, "last")
     assert np.isfinite(got_all).all() and np.isfinite(got_last).all()
     assert np.allclose(got_all, expected_all, rtol=1e-5, atol=1e-5)
     assert np.allclose(got_last, expected_last, rtol=1e-5, atol=1e-5)

@@ -239,3 +239,35 @@ def test_chat_turns_reuse_the_kv_cache(random_model_path, model, monkeypatch):
     model.logits([1, 2, 3])                       # scoring empties the cache: nothing is reused after it
     "".join(model.generate(conversation, max_tokens=2))
     assert model.last_stats["reused_tokens"] == 0
+
+
+def test_sliding_window_attention_is_the_masked_softmax():
+    """reference.attention with a window of W: the query at p sees exactly positions p-W+1 .. p (as
+    transformers' sliding-window mask), computed here as a full softmax with the rest masked."""
+    from tinyinfer.runtime import reference as ref
+
+    rng = np.random.default_rng(4)
+    n, heads, kv_heads, hd, window = 40, 4, 2, 8, 7
+    q = rng.standard_normal((n, heads, hd)).astype(np.float32)
+    k, v = (rng.standard_normal((n, kv_heads, hd)).astype(np.float32) for _ in range(2))
+    positions = np.arange(n)
+    scores = np.einsum("thd,shd->hts", q, np.repeat(k, 2, axis=1)) / np.sqrt(hd)
+    visible = (positions[None, :] <= positions[:, None]) & (positions[None, :] > positions[:, None] - window)
+    scores = np.where(visible[None], scores, -np.inf)
+    expected = np.einsum("hts,shd->thd", ref.softmax(scores), np.repeat(v, 2, axis=1)).reshape(n, -1)
+    np.testing.assert_allclose(ref.attention(q, k, v, positions, window), expected, rtol=1e-5, atol=1e-6)
+    assert not np.allclose(ref.attention(q, k, v, positions), expected, atol=1e-3)
+    assert [ref.first_key(p, window) for p in (0, 6, 7, 39)] == [0, 0, 1, 33]
+    assert ref.first_key(39, None) == 0
+
+
+@pytest.mark.parametrize("updates", [{"qkv_bias": 1}, {"sliding_window": 0}, {"sliding_window": 2.5},
+                                     {"sliding_window": True}, {"qkv_bias": True}])
+def test_bias_and_window_settings_are_checked_on_load(random_model_path, tmp_path, updates):
+    from tinyinfer.formats import open_tinf, rewrite_metadata
+
+    with open_tinf(random_model_path) as f:
+        config = {**f.config, **updates}
+    bad = rewrite_metadata(random_model_path, tmp_path / "bad.tinf", {"config": config})
+    with pytest.raises(FormatError, match="qkv_bias|bqkv"):
+        load(bad, device="cpu")
