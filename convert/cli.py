@@ -18,10 +18,13 @@ from tinyinfer.formats import TinyInferError
               help="Encoding of the linear layers [default: q4; for a GGUF file, each matrix keeps its "
                    "own encoding where tinyinfer holds it exactly].")
 @click.option("--group-size", type=click.Choice([str(g) for g in GROUP_SIZES]), default=None,
-              help="Columns per quantization scale [default: 64; 32 for a GGUF file].")
+              help="Columns per quantization scale [default: 32 for q4, 64 for q8; 32 for a GGUF file].")
 @click.option("--head", type=click.Choice(["f16"]), default=None,
               help="Store the output head in f16 instead of quantizing it like the other linears.")
-@click.option("--no-scale-search", is_flag=True, help="Use plain max-abs scales (faster, less accurate).")
+@click.option("--no-scale-search", is_flag=True,
+              help="Use plain scales (q8: max-abs, q4: llama.cpp Q4_0's rule): faster, less accurate.")
+@click.option("--no-calibrate", is_flag=True,
+              help="q4: skip the calibration pass that weighs the scale search by activation statistics.")
 @click.option("--revision", default=None, help="Hub branch, tag or commit to download.")
 @click.option("--token", default=None, help="Hugging Face token for gated or private repos.")
 @click.option("--tokenizer", type=click.Path(exists=True, dir_okay=False), default=None,
@@ -33,8 +36,8 @@ from tinyinfer.formats import TinyInferError
               help="Then publish the file and a model card on the Hugging Face Hub (see HUB.md).")
 @click.option("--private", is_flag=True, help="With --push-to-hub: create the repo as private.")
 @click.version_option(package_name="tinyinfer", prog_name="tinyconvert", message="%(prog)s %(version)s")
-def main(source, out, quant, group_size, head, no_scale_search, revision, token, tokenizer, gguf_name, autotune,
-         push_repo, private):
+def main(source, out, quant, group_size, head, no_scale_search, no_calibrate, revision, token, tokenizer, gguf_name,
+         autotune, push_repo, private):
     """Convert SOURCE (a Hub repo id, a local Hugging Face checkpoint folder, a .gguf file, or a
     llama2.c .bin) into one .tinf file."""
     from tinyinfer.convert.push import check_push_options, push_to_hub
@@ -46,7 +49,7 @@ def main(source, out, quant, group_size, head, no_scale_search, revision, token,
             require_cuda()
         path = convert_checkpoint(source, out=out, quant=quant, group_size=int(group_size) if group_size else None,
                                   head=head, scale_search=not no_scale_search, revision=revision, token=token,
-                                  tokenizer=tokenizer, progress=True, file=gguf_name)
+                                  tokenizer=tokenizer, progress=True, file=gguf_name, calibrate=not no_calibrate)
         if autotune:
             key, _ = tune_file(path)
             click.echo(f"stored autotune choices for {key} in {path}", err=True)

@@ -30,11 +30,17 @@ from tinyinfer.formats.version import tinyinfer_version
 
 QUANTS = ("q4", "q8", "f16")
 GROUP_SIZES = (32, 64, 128)
-DEFAULT_QUANT, DEFAULT_GROUP = "q4", 64
-GGUF_GROUP = 32           # GGML's Q8_0/Q4_0 blocks: the group that copies them exactly
+DEFAULT_QUANT = "q4"
+# Columns per scale by default: q4 at 32 (4.5 bits per weight; 64 measured clearly worse on trained
+# models: BENCHMARKS.md, "Quality"), q8 at 64 (within 0.1% of f16 already). GGUF input takes 32, the
+# group of GGML's Q8_0/Q4_0 blocks, which then copy exactly.
+DEFAULT_GROUP = {"q4": 32, "q8": 64, "f16": 64}
+GGUF_GROUP = 32
 HEADS = (None, "f16")
 F16_MAX = 65504.0
-QMAX = {"q4": 7, "q8": 127}
+# How far beyond fp16 a quantized weight may go: its group's scale is an fp16 value times at most this
+# (q4's signed scales put the largest weight at level -8).
+QMAX = {"q4": 8, "q8": 127}
 
 
 @dataclass
@@ -50,10 +56,12 @@ class Source:
 
 
 def convert_checkpoint(source, out=None, quant=None, group_size=None, head=None, scale_search=True,
-                       revision=None, token=None, tokenizer=None, progress=True, file=None) -> Path:
+                       revision=None, token=None, tokenizer=None, progress=True, file=None,
+                       calibrate=True) -> Path:
     """Convert a Hub repo id (with `file`: one .gguf file of it), a local HF folder, a .gguf file or a
-    llama2.c .bin to a .tinf file; returns its path. quant/group_size None: q4 with group 64, and for
-    GGUF input each matrix keeps the file's own encoding where tinyinfer holds it exactly."""
+    llama2.c .bin to a .tinf file; returns its path. quant/group_size None: q4 with its default group
+    (DEFAULT_GROUP), and for GGUF input each matrix keeps the file's own encoding where tinyinfer holds
+    it exactly. calibrate: weigh q4's scale search by activation statistics (convert.calibration)."""
     started = time.perf_counter()
     check_options(quant, group_size, head)
     if out is not None and Path(out).is_dir():
@@ -62,8 +70,12 @@ def convert_checkpoint(source, out=None, quant=None, group_size=None, head=None,
     specs, group_size = encoding_plan(model.checkpoint, quant, group_size, head)
     quant, group_size = layer_encoding(specs, group_size)
     out = Path(out) if out is not None else default_output(Path(file).stem if file else source, quant)
-    metadata = build_metadata(model, str(source) + (f"/{file}" if file else ""), quant, group_size, scale_search)
-    write_tensors(out, metadata, specs, model.checkpoint, scale_search, progress)
+    importance, calibration_tokens = {}, 0
+    if calibrate and scale_search and any(spec.encoding == "q4" for spec in specs):
+        importance, calibration_tokens = calibrate_inputs(model, progress)
+    metadata = build_metadata(model, str(source) + (f"/{file}" if file else ""), quant, group_size, scale_search,
+                              calibration_tokens)
+    write_tensors(out, metadata, specs, model.checkpoint, scale_search, progress, importance)
     if progress:
         print(summary(out, time.perf_counter() - started), file=sys.stderr)
     return out
@@ -190,10 +202,10 @@ def tensor_specs(config: dict, quant: str, group_size: int, head) -> list[Tensor
 
 
 def encoding_plan(checkpoint, quant, group_size, head) -> tuple[list[TensorSpec], int]:
-    """Every tensor's encoding: `quant` (default q4) with `group_size` (default 64, 32 for GGUF); a GGUF
-    file without --quant keeps each matrix role in its own encoding where that copies exactly."""
+    """Every tensor's encoding: `quant` (default q4) with `group_size` (default DEFAULT_GROUP, 32 for
+    GGUF); a GGUF file without --quant keeps each matrix role in its own encoding where that copies exactly."""
     gguf = isinstance(checkpoint, GgufCheckpoint)
-    group = group_size or (GGUF_GROUP if gguf else DEFAULT_GROUP)
+    group = group_size or (GGUF_GROUP if gguf else DEFAULT_GROUP[quant or DEFAULT_QUANT])
     specs = tensor_specs(checkpoint.config, quant or DEFAULT_QUANT, group, head)
     if gguf:
         if quant is None:
@@ -210,7 +222,17 @@ def layer_encoding(specs, group: int) -> tuple[str, int]:
     return spec.encoding, spec.group or group
 
 
-def build_metadata(model: Source, source: str, quant: str, group_size: int, scale_search: bool) -> dict:
+def calibrate_inputs(model: Source, progress: bool) -> tuple[dict, int]:
+    """({matrix name: [cols] mean square input}, tokens) from the calibration pass."""
+    from tinyinfer.convert.calibration import input_importance
+
+    config = model.checkpoint.config
+    with tqdm(total=config["n_layers"], unit="layer", desc="calibrating", disable=not progress) as bar:
+        return input_importance(model.checkpoint, tinf_shapes(config), model.tokenizer, on_layer=bar.update)
+
+
+def build_metadata(model: Source, source: str, quant: str, group_size: int, scale_search: bool,
+                   calibration_tokens: int = 0) -> dict:
     provenance = {
         "source": source,
         "revision": model.revision,
@@ -219,6 +241,7 @@ def build_metadata(model: Source, source: str, quant: str, group_size: int, scal
         "quant": quant,
         "group_size": group_size,
         "scale_search": bool(scale_search),
+        "calibration_tokens": int(calibration_tokens),
         "license": model.license,
     }
     return {"config": model.checkpoint.config, "tokenizer": model.tokenizer,
@@ -226,22 +249,26 @@ def build_metadata(model: Source, source: str, quant: str, group_size: int, scal
             "provenance": provenance, "autotune": {}}
 
 
-def write_tensors(out: Path, metadata: dict, specs, checkpoint, scale_search, progress) -> None:
+def write_tensors(out: Path, metadata: dict, specs, checkpoint, scale_search, progress, importance=None) -> None:
     total = sum(math.prod(spec.shape) for spec in specs)
     with tqdm(total=total, unit="w", unit_scale=True, desc="converting", disable=not progress) as bar:
         with TinfWriter(out, metadata, specs) as writer:
             for spec in specs:
-                writer.write(spec.name, encoded_tensor(checkpoint, spec, scale_search))
+                writer.write(spec.name, encoded_tensor(checkpoint, spec, scale_search, (importance or {}).get(spec.name)))
                 bar.update(math.prod(spec.shape))
 
 
-def encoded_tensor(checkpoint, spec: TensorSpec, scale_search):
-    """The checkpoint's own blocks where they copy exactly (GGUF), else its float values encoded."""
+def encoded_tensor(checkpoint, spec: TensorSpec, scale_search, importance=None):
+    """The checkpoint's own blocks where they copy exactly (GGUF), else its float values encoded
+    (q4 with its inputs' importance, where the calibration measured it)."""
     exact = checkpoint.exact(spec.name, spec.encoding, spec.group) if hasattr(checkpoint, "exact") else None
     weights = exact.to_float32() if exact is not None else checkpoint.load(spec.name)
     assert weights.shape == tuple(spec.shape), (spec.name, weights.shape, spec.shape)
     check_values(spec, weights)
-    return exact if exact is not None else encode(weights, spec.encoding, spec.group, scale_search)
+    if exact is not None:
+        return exact
+    return encode(weights, spec.encoding, spec.group, scale_search,
+                  importance=importance if spec.encoding == "q4" else None)
 
 
 def check_values(spec: TensorSpec, weights: np.ndarray) -> None:

@@ -164,13 +164,17 @@ class NumpyBackend(Backend):
             x = x + self.attention_block(layer, x, positions)
             x = x + self.mlp_block(layer, x)
         x = ref.rms_norm(x, self.weight("norm"), c["norm_eps"])
-        return ref.linear(x, self.weight("output"))
+        return self.linear("output", x)
+
+    def linear(self, name: str, x: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
+        """x @ weight(name)^T (+ bias): every matrix product of the forward pass goes through here."""
+        return ref.linear(x, self.weight(name), bias)
 
     def attention_block(self, layer: int, x: np.ndarray, positions: np.ndarray) -> np.ndarray:
         p = f"layers.{layer}."
         h = ref.rms_norm(x, self.weight(p + "attn_norm"), self.config["norm_eps"])
         bias = self.weight(p + "bqkv") if self.config.get("qkv_bias") else None
-        qkv = ref.linear(h, self.weight(p + "wqkv"), bias)
+        qkv = self.linear(p + "wqkv", h, bias)
         q_size, kv_size = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
         q = qkv[:, :q_size].reshape(-1, self.n_heads, self.head_dim)
         k = qkv[:, q_size: q_size + kv_size].reshape(-1, self.n_kv_heads, self.head_dim)
@@ -180,9 +184,9 @@ class NumpyBackend(Backend):
         self.v_cache[layer, positions] = v
         window = self.config.get("sliding_window")
         out = ref.attention(q, self.k_cache[layer], self.v_cache[layer], positions, window)
-        return ref.linear(out, self.weight(p + "wo"))
+        return self.linear(p + "wo", out)
 
     def mlp_block(self, layer: int, x: np.ndarray) -> np.ndarray:
         p = f"layers.{layer}."
         h = ref.rms_norm(x, self.weight(p + "ffn_norm"), self.config["norm_eps"])
-        return ref.linear(ref.swiglu(ref.linear(h, self.weight(p + "w_gate_up"))), self.weight(p + "w_down"))
+        return self.linear(p + "w_down", ref.swiglu(self.linear(p + "w_gate_up", h)))
