@@ -51,7 +51,7 @@ def main(argv=None) -> int:
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / f"random-tinyllama-{args.quant}.tinf"
-        write_random_model(path, tinf_config(tinyllama_config()), args.quant, 64)
+        write_random_model(path, tinf_config(tinyllama_config()), args.quant)
         started = time.perf_counter()
         with load(path, device="cpu") as model:
             print(f"loaded {path.name} ({path.stat().st_size / 2**20:.0f} MiB) in "

@@ -39,7 +39,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", choices=sorted(SHAPES), default="tinyllama")
     parser.add_argument("--quant", choices=("q4", "q8", "f16"), default="q4")
-    parser.add_argument("--group", type=int, choices=(32, 64, 128), default=64)
+    parser.add_argument("--group", type=int, choices=(32, 64, 128), default=None,
+                        help="columns per scale (default: the converter's, 32 for q4 and 64 for q8)")
     parser.add_argument("--tokens", type=int, default=256, help="tokens to decode per run")
     parser.add_argument("--prompt-len", type=int, default=16)
     parser.add_argument("--reps", type=int, default=3)
@@ -49,6 +50,9 @@ def main(argv=None) -> int:
                         help="write a Hugging Face checkpoint and convert it (slow, see above)")
     parser.add_argument("--verbose", action="store_true")
     args = parser.parse_args(argv)
+    from tinyinfer.convert.pipeline import DEFAULT_GROUP
+
+    args.group = args.group or DEFAULT_GROUP[args.quant]
 
     from tinyinfer.runtime import load
     from tinyinfer.runtime.bench import run_bench

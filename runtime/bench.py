@@ -46,16 +46,19 @@ def random_encoded(encoding: str, shape, group: int | None, rng, std: float = 1.
         data = random_f16(rng, (rows, cols_pad), std)
         data[:, cols:] = 0
         return Tensor(encoding, tuple(shape), data if encoding == "f16" else data.astype(np.float32))
-    if encoding == "q4":           # codes -7..7 (zero mean, like trained weights), std 4.32
-        nibbles = rng.integers(1, 16, size=(rows, cols_pad), dtype=np.uint8)
+    if encoding == "q4":           # codes -8..7, std 4.61, under scales of either sign (Q4_0's rule)
+        nibbles = rng.integers(0, 16, size=(rows, cols_pad), dtype=np.uint8)
         nibbles[:, cols:] = 8
         data = nibbles[:, 0::2] | (nibbles[:, 1::2] << 4)
-        code_std = 4.32
+        code_std = 4.61
     else:                          # codes -127..127, std 73.3
         data = rng.integers(-127, 128, size=(rows, cols_pad), dtype=np.int8)
         data[:, cols:] = 0
         code_std = 73.3
-    scales = (std / code_std * rng.uniform(0.5, 1.5, size=(rows, cols_pad // group))).astype(np.float16)
+    scales = std / code_std * rng.uniform(0.5, 1.5, size=(rows, cols_pad // group))
+    if encoding == "q4":
+        scales *= rng.choice([-1.0, 1.0], size=scales.shape)
+    scales = scales.astype(np.float16)
     return Tensor(encoding, tuple(shape), data, scales, group)
 
 
@@ -110,15 +113,16 @@ def tinf_config(hf: dict, n_layers: int | None = None) -> dict:
             "qkv_bias": hf.get("model_type") == "qwen2", "sliding_window": sliding_window(hf, max_context)}
 
 
-def write_random_model(path, config: dict, quant: str = "q4", group: int = 64, seed: int = 0,
+def write_random_model(path, config: dict, quant: str = "q4", group: int | None = None, seed: int = 0,
                        reuse_layers: bool = False):
     """Write a .tinf with random weights in the encodings the converter would use for `quant`.
 
     reuse_layers=True writes the same random bytes for every layer (fast for 7B-sized benchmarks;
     each layer is still its own region of the file and of GPU memory)."""
-    from tinyinfer.convert.pipeline import tensor_specs
+    from tinyinfer.convert.pipeline import DEFAULT_GROUP, tensor_specs
     from tinyinfer.formats import Tensor, TinfWriter
 
+    group = DEFAULT_GROUP[quant] if group is None else group
     rng = np.random.default_rng(seed)
     specs = tensor_specs(config, quant, group, None)
     metadata = {"config": config, "tokenizer": synthetic_tokenizer(config["vocab_size"]), "chat_template": None,

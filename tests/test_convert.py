@@ -63,7 +63,8 @@ def test_encodings_and_fusion_order(tmp_path, quant, group, head, search):
     src = tmp_path / "ckpt"
     # ffn 80 is not a multiple of the group: exercises column padding of w_down.
     weights = write_hf_llama(src, dtype="bf16", ffn_dim=80, n_heads=4, n_kv_heads=4)
-    out = convert(src, tmp_path / "m.tinf", quant=quant, group_size=group, head=head, scale_search=search)
+    out = convert(src, tmp_path / "m.tinf", quant=quant, group_size=group, head=head, scale_search=search,
+                  calibrate=False)
     with open_tinf(out) as f:
         expected = expected_tensors(weights, f.config)
         for name in f.names:
@@ -76,6 +77,35 @@ def test_encodings_and_fusion_order(tmp_path, quant, group, head, search):
                 np.testing.assert_array_equal(got.scales, want.scales, err_msg=name)
         assert f.metadata["provenance"]["scale_search"] is search
     assert_tinf_matches(out, expected)
+
+
+def test_q4_is_calibrated_by_default(tmp_path):
+    """Each q4 matrix is the encoder's output weighted by its input's mean squares over the built-in
+    text (convert.calibration), and the file records the tokens used; the other tensors are unchanged."""
+    from tinyinfer.convert.calibration import input_importance
+
+    src = tmp_path / "ckpt"
+    weights = write_hf_llama(src, dtype="f32")
+    out = convert(src, tmp_path / "m.tinf", quant="q4")
+    model = pipeline.open_source(str(src), None, None, None, False)
+    stats, tokens = input_importance(model.checkpoint, pipeline.tinf_shapes(model.checkpoint.config), model.tokenizer)
+    assert tokens > 16 and set(stats) == {n for n in pipeline.tinf_shapes(model.checkpoint.config)
+                                          if n.endswith(("wqkv", "wo", "w_gate_up", "w_down")) or n == "output"}
+    with open_tinf(out) as f:
+        assert f.metadata["provenance"]["calibration_tokens"] == tokens
+        expected = expected_tensors(weights, f.config)
+        changed = 0
+        for name in f.names:
+            got = f.tensor(name)
+            if got.encoding != "q4":
+                continue
+            want = encode(expected[name], "q4", got.group, True, importance=stats[name])
+            np.testing.assert_array_equal(got.scales, want.scales, err_msg=name)
+            changed += not np.array_equal(want.scales, encode(expected[name], "q4", got.group).scales)
+        assert changed > 0         # the statistics moved some scales
+    plain = convert(src, tmp_path / "plain.tinf", quant="q4", calibrate=False)
+    with open_tinf(plain) as f:
+        assert f.metadata["provenance"]["calibration_tokens"] == 0
 
 
 def test_metadata(tmp_path):

@@ -81,10 +81,14 @@ GEMV_INSTANCES += [("W_Q4", 64, 1, "IN_RMSNORM", "OUT_STORE_BIAS", 1, 1, 0, 1, 0
                    ("W_Q8", 64, 2, "IN_RMSNORM_PENDING", "OUT_STORE_BIAS", 1, 2, 1, 1, 1),
                    ("W_Q4", 64, 2, "IN_RMSNORM", "OUT_STORE_BIAS", 1, 1, 0, 1, 1, 1),
                    ("W_F16", 0, 1, "IN_RMSNORM_PENDING", "OUT_STORE_BIAS", 1, 1, 1, 1, 0, 1)]
+# q4's default group is 32 (the converter's): every other q4 instance above at group 32 too (the group
+# only changes the scale's index arithmetic; half of them keep the compile time down).
+GEMV_INSTANCES += [("W_Q4", 32, *rest) for encoding, group, *rest in GEMV_INSTANCES
+                   if (encoding, group) == ("W_Q4", 64)][::2]
 # The fused MLP (mlp.cu: encoding, group, tiles, row tiles, ring depth, wide): every encoding, the
 # shallowest and deepest rings the tuner tries (mlp.CANDIDATES), both row tiles, and 16 warps.
-MLP_INSTANCES = [(e, g, 4, rt, d, w) for e, g in [("W_F16", 0), ("W_Q8", 64), ("W_Q4", 64)] for rt in (1, 2)
-                 for d in (1, {1: 4, 2: 2}[rt]) for w in (0, 1)]
+MLP_INSTANCES = [(e, g, 4, rt, d, w) for e, g in [("W_F16", 0), ("W_Q8", 64), ("W_Q4", 64), ("W_Q4", 32)]
+                 for rt in (1, 2) for d in (1, {1: 4, 2: 2}[rt]) for w in (0, 1)]
 
 
 def wrapper(name: str) -> str:

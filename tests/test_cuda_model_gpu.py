@@ -19,6 +19,7 @@ from checkpoints import randomize_llama_weights
 from tinyinfer.formats import open_tinf
 from tinyinfer.kernels import attention as attn_k
 from tinyinfer.runtime import load
+from tinyinfer.convert.pipeline import DEFAULT_GROUP
 from tinyinfer.runtime.bench import synthetic_tokenizer, tinf_config, write_random_model
 from tinyinfer.runtime.numpy_backend import NumpyBackend
 from tinyinfer.runtime.sampling import SamplingParams
@@ -45,7 +46,7 @@ def real_config(shared_assets, name: str, n_layers: int = 2) -> dict:
 def random_model(request, tmp_path_factory, shared_assets, cupy_gpu):
     shape, quant = request.param
     path = tmp_path_factory.mktemp("models") / f"{shape}-{quant}.tinf"
-    write_random_model(path, real_config(shared_assets, shape), quant, 64, seed=len(shape) + len(quant))
+    write_random_model(path, real_config(shared_assets, shape), quant, DEFAULT_GROUP[quant], seed=len(shape) + len(quant))
     return shape, quant, path
 
 
@@ -71,7 +72,7 @@ def test_decode_with_split_k_gemvs_matches_the_numpy_reference(shared_assets, tm
     from tinyinfer.kernels import gemv as gemv_k
 
     path = tmp_path / "m.tinf"
-    write_random_model(path, real_config(shared_assets, shape), quant, 64, seed=7)
+    write_random_model(path, real_config(shared_assets, shape), quant, DEFAULT_GROUP[quant], seed=7)
     ids = np.random.default_rng(2).integers(0, 32000, 16)
     with load(path, device="cuda") as model:
         backend = model.backend
@@ -96,7 +97,7 @@ def test_decode_across_the_long_context_switch_matches_the_numpy_reference(share
     path = tmp_path / "m.tinf"
     config = real_config(shared_assets, shape)
     config["max_context"] = 1024
-    write_random_model(path, config, quant, 64, seed=5)
+    write_random_model(path, config, quant, DEFAULT_GROUP[quant], seed=5)
     with load(path, device="cuda") as model:
         plan = model.backend.attn_plan
         if plan.long_from == 0:
@@ -121,7 +122,7 @@ def test_decode_across_the_long_context_switch_matches_the_numpy_reference(share
 @pytest.fixture(scope="module")
 def tinyllama_q4(tmp_path_factory, shared_assets, cupy_gpu):
     path = tmp_path_factory.mktemp("gen") / "tinyllama-q4.tinf"
-    return write_random_model(path, real_config(shared_assets, "tinyllama"), "q4", 64, seed=11)
+    return write_random_model(path, real_config(shared_assets, "tinyllama"), "q4", DEFAULT_GROUP["q4"], seed=11)
 
 
 @pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(repetition_penalty=1.2),

@@ -62,26 +62,74 @@ def test_encoding_error_bounds(encoding):
             assert np.all(err <= bound)
 
 
-@pytest.mark.parametrize("encoding", ["q8", "q4"])
-def test_max_abs_scaling_is_within_half_a_step(encoding):
+def step_of(t) -> np.ndarray:
+    """Each weight's step size [rows, cols]: its group's scale, whatever its sign."""
+    return np.abs(np.repeat(t.scales.astype(np.float32), t.group, axis=1)[:, : t.cols])
+
+
+def test_plain_q8_scales_are_within_half_a_step():
     rng = np.random.default_rng()
     w = rng.standard_normal((16, 200)).astype(np.float32)
-    t = encode(w, encoding, 64, scale_search=False)
-    half_step = np.repeat(t.scales.astype(np.float32), 64, axis=1)[:, :200] * 0.5
-    assert np.all(np.abs(t.to_float32() - w) <= half_step * (1 + 1e-3) + 1e-8)
+    t = encode(w, "q8", 64, scale_search=False)
+    assert np.all(np.abs(t.to_float32() - w) <= step_of(t) * 0.5 * (1 + 1e-3) + 1e-8)
+
+
+def test_plain_q4_scales_follow_q4_0s_rule():
+    """The group's largest-magnitude weight takes level -8 exactly: a signed scale, one step of error."""
+    rng = np.random.default_rng()
+    w = rng.standard_normal((16, 200)).astype(np.float32)
+    t = encode(w, "q4", 32, scale_search=False)
+    groups = np.pad(w, ((0, 0), (0, 24))).reshape(16, -1, 32)
+    peak = np.take_along_axis(groups, np.abs(groups).argmax(-1)[..., None], -1)[..., 0]
+    np.testing.assert_array_equal(t.scales, (peak / -8).astype(np.float16))
+    assert np.all(np.abs(t.to_float32() - w) <= step_of(t) * (1 + 1e-2) + 1e-8)
 
 
 @pytest.mark.parametrize("encoding", ["q8", "q4"])
-def test_scale_search_never_worse_than_max_abs(encoding):
+def test_scale_search_beats_plain_scales(encoding):
     rng = np.random.default_rng()
     w = (rng.standard_t(4, (64, 256)) * 0.02).astype(np.float32)  # heavy tails, like real weights
     plain = encode(w, encoding, 64, scale_search=False).to_float32()
     searched = encode(w, encoding, 64, scale_search=True).to_float32()
     err_plain = ((plain - w) ** 2).reshape(-1, 64).sum(1)
     err_search = ((searched - w) ** 2).reshape(-1, 64).sum(1)
-    assert np.all(err_search <= err_plain * (1 + 1e-6) + 1e-12)
-    if encoding == "q4":
+    if encoding == "q8":
+        assert np.all(err_search <= err_plain * (1 + 1e-6) + 1e-12)
+    else:       # q4 minimises a weighted error (large weights count more): better overall
         assert err_search.sum() < 0.95 * err_plain.sum()
+
+
+def test_q4_search_protects_large_weights():
+    """The weighted search keeps the largest weights closer than an unweighted one would: the old
+    clipping search (least squared error over clip ratios) clipped them."""
+    rng = np.random.default_rng()
+    w = (rng.standard_t(3, (128, 256)) * 0.02).astype(np.float32)
+    t = encode(w, "q4", 64)
+    err = np.abs(t.to_float32() - w)
+    large = np.abs(w) >= np.quantile(np.abs(w), 0.99)
+    assert err[large].mean() < 0.3 * step_of(t)[large].mean()
+
+
+def test_q4_importance_lowers_the_error_where_inputs_are_large():
+    rng = np.random.default_rng()
+    w = (rng.standard_normal((64, 128)) * 0.02).astype(np.float32)
+    importance = np.ones(128, np.float32)
+    importance[:16] = 1000.0
+    plain = np.abs(encode(w, "q4", 64).to_float32() - w)[:, :16].mean()
+    weighted = np.abs(encode(w, "q4", 64, importance=importance).to_float32() - w)[:, :16].mean()
+    assert weighted < 0.9 * plain
+
+
+def test_q4_is_exact_where_the_weights_lie_on_a_q4_0_grid():
+    """Weights that are q * d for fp16 d and q in -8..7 reaching -8 come back exactly (llama.cpp's
+    Q4_0 blocks are such groups)."""
+    rng = np.random.default_rng()
+    d = rng.uniform(0.001, 0.01, (8, 2)).astype(np.float16) * rng.choice([-1, 1], (8, 2)).astype(np.float16)
+    q = rng.integers(-8, 8, (8, 2, 32))
+    q[:, :, 0] = -8
+    w = (q * d[:, :, None].astype(np.float32)).reshape(8, 64)
+    for search in (False, True):
+        np.testing.assert_array_equal(encode(w, "q4", 32, scale_search=search).to_float32(), w)
 
 
 def test_q4_nibble_layout_matches_spec():

@@ -16,6 +16,7 @@ import pytest
 from tinyinfer.kernels import gemv as gemv_k
 from tinyinfer.kernels import mlp as mlp_k
 from tinyinfer.kernels.build import device_compute_capability
+from tinyinfer.convert.pipeline import DEFAULT_GROUP
 from tinyinfer.runtime.bench import random_encoded
 
 from tinf_samples import device_bytes  # noqa: E402
@@ -154,7 +155,7 @@ def test_decode_with_the_fused_mlp_matches_the_numpy_reference(shared_assets, tm
     from test_cuda_model_gpu import real_config, relative_errors
 
     path = tmp_path / "m.tinf"
-    write_random_model(path, real_config(shared_assets, shape), quant, 64, seed=13)
+    write_random_model(path, real_config(shared_assets, shape), quant, DEFAULT_GROUP[quant], seed=13)
     ids = np.random.default_rng(4).integers(0, 32000, 24)
     with load(path, device="cuda") as model:
         backend = model.backend

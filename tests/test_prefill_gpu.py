@@ -21,6 +21,7 @@ from tinyinfer.formats import open_tinf
 from tinyinfer.kernels import prefill as prefill_k
 from tinyinfer.runtime import cuda_prefill, load
 from tinyinfer.runtime import reference as ref
+from tinyinfer.convert.pipeline import DEFAULT_GROUP
 from tinyinfer.runtime.bench import tinf_config, write_random_model
 from tinyinfer.runtime.numpy_backend import NumpyBackend
 from tinyinfer.runtime.sampling import SamplingParams
@@ -112,7 +113,7 @@ def case(request, tmp_path_factory, shared_assets, cupy_gpu):
     shape, quant = request.param
     config = tinf_config(json.loads((shared_assets / CONFIG_FILES[shape]).read_text()), n_layers=2)
     config["max_context"] = CONTEXT
-    path = write_random_model(tmp_path_factory.mktemp("prefill") / f"{shape}-{quant}.tinf", config, quant, 64,
+    path = write_random_model(tmp_path_factory.mktemp("prefill") / f"{shape}-{quant}.tinf", config, quant, DEFAULT_GROUP[quant],
                               seed=len(shape) * 3 + len(quant))
     ids = np.random.default_rng(len(quant)).integers(0, config["vocab_size"], CONTEXT)
     expected, k_ref, v_ref = fast_reference(path, ids)
