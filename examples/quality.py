@@ -7,7 +7,8 @@ The model is converted with tinyconvert at f16 (the reference) and at each tinyi
 option, and every file runs through tinyinfer's NumPy backend, the same forward pass the CUDA
 kernels are tested against. Beside them, llama.cpp's formats (Q4_0, Q4_1, Q4_K, Q8_0) are applied to
 the same float weights, to the matrices tinyinfer quantizes (Q/K/V, O, gate/up, down and the output
-head), and run through the same backend (examples/llama_cpp_formats.py).
+head), and run through the same backend (examples/llama_cpp_formats.py), as is plain round-to-nearest
+int4 (group 32, scale max|w| / 7), the baseline.
 
 The text (CRLF normalised; documents separated by <|endoftext|> apart) is tokenized with the model's
 tokenizer (BOS first, if it has one) and cut into windows of --window tokens; every token of a window
@@ -112,11 +113,23 @@ def substituted_model(reference_path: Path, weights: dict):
     return Model(tinf, backend, Tokenizer.from_metadata(tinf.metadata["tokenizer"]))
 
 
-def llama_cpp_weights(checkpoint, names, fmt: str) -> tuple[dict, int]:
-    """({name: reconstructed float32 weights}, bytes the format stores for them)."""
+def round_to_nearest_q4(w: np.ndarray, group: int = 32) -> tuple[np.ndarray, int]:
+    """Plain RTN int4, the baseline every method must beat: scale = max|w| / 7 per group of 32, codes
+    rounded and clipped to [-8, 7]; (reconstructed weights, bytes: 4 bits a weight, an fp16 per group)."""
+    rows, cols = w.shape
+    groups = np.pad(w.astype(np.float32), ((0, 0), (0, -cols % group))).reshape(rows, -1, group)
+    scale = (np.abs(groups).max(axis=-1, keepdims=True) / 7).astype(np.float16).astype(np.float32)
+    codes = np.clip(np.rint(np.divide(groups, scale, out=np.zeros_like(groups), where=scale > 0)), -8, 7)
+    return (codes * scale).reshape(rows, -1)[:, :cols], groups.size // 2 + scale.size * 2
+
+
+def reference_weights(checkpoint, names, fmt: str) -> tuple[dict, int]:
+    """({name: reconstructed float32 weights}, bytes the format stores for them) for a llama.cpp
+    format or RTN."""
     weights, n_bytes = {}, 0
     for name in names:
-        weights[name], stored = quantize_dequantize(checkpoint.load(name), fmt)
+        w = checkpoint.load(name)
+        weights[name], stored = round_to_nearest_q4(w) if fmt == "RTN" else quantize_dequantize(w, fmt)
         n_bytes += stored
     return weights, n_bytes
 
@@ -169,11 +182,11 @@ def main(argv=None) -> int:
         with open_tinf(reference_path) as f:
             matrix_bytes = sum(f.info(n).nbytes for n in names)
             n_matrix = sum(math.prod(f.info(n).shape) for n in names)
-        for fmt in LLAMA_CPP:
-            label = f"llama.cpp {fmt}"
+        for fmt in ("RTN", *LLAMA_CPP):
+            label = "RTN int4 g32 (max-abs / 7)" if fmt == "RTN" else f"llama.cpp {fmt}"
             if not wanted(label):
                 continue
-            weights, n_bytes = llama_cpp_weights(checkpoint, names, fmt)
+            weights, n_bytes = reference_weights(checkpoint, names, fmt)
             model = substituted_model(reference_path, weights)
             ppl, kl = scorer.score(model)
             model.close()
