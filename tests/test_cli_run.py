@@ -99,7 +99,7 @@ def test_interactive_chat_keeps_the_conversation(model_path, capsys, monkeypatch
 def test_info(model_path, capsys):
     code, out, _ = tinyrun(capsys, "info", model_path)
     assert code == 0
-    for needle in ["dim=64", "n_layers=2", "hf-json", "template present", "quant=q4", "layers.*.wqkv", "q4 g64",
+    for needle in ["dim=64", "n_layers=2", "hf-json", "template present", "quant=q4", "layers.*.wqkv", "q4 g32",
                    "f16", "bits/weight", "weights in all tensors", "source="]:
         assert needle in out, needle
 
