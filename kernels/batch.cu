@@ -1,0 +1,358 @@
+// Batched decode: one step for B sequences (B up to 32), each weight read once for all of them.
+//
+// Rows of a step are sequences: row b has its own token, position and KV-cache slot (the row table,
+// batch.py). The step, per layer (runtime/cuda_batch.py):
+//
+//   batch_rmsnorm      x[b] += the previous linear's partial sums; h = rms_norm(x[b]) * w as fp16
+//   batch_gemv_q4      parts[s][b][n] = sum over slice s of K of W[n][k] h[b][k]   (tensor cores)
+//   batch_rope_store   qkv = sum_s parts (+ bias); q rotated (times 1/sqrt(hd)); k, v into the slot's cache
+//   batch_attention    each row over its own slot's positions first_key(pos)..pos -> fp16
+//   batch_swiglu       silu(gate) * up from the gate/up parts -> fp16
+//   batch_logits       logits[b] = sum_s parts; greedy argmax per row (lowest id on ties)
+//
+// The linears write partial sums per K slice instead of adding them with atomics, and the next
+// kernel adds the slices in a fixed order, so a step's results do not depend on block timing.
+// Plain kernels are extern "C"; the GEMV template goes through NVRTC name expressions.
+#include "common.cuh"
+
+#define BG_WARPS 8          // warps per GEMV block, each on its own 16-row tiles
+#define BG_PIECE_COLS 128   // q4 columns of one 64-byte piece of a row (kernels/layout.py)
+
+// Two weights of one u32 of nibbles, (n - 8) as exact fp16: nibbles at bits shift and shift + 16
+// into 1024 + n (0x6400 is 1024.0), minus 1032.
+TI_DEVICE __half2 q4_pair(u32 w, int shift) {
+    const u32 bits = ((w >> shift) & 0x000F000Fu) | 0x64006400u;
+    return __hsub2(*reinterpret_cast<const __half2*>(&bits), __float2half2_rn(1032.f));
+}
+
+TI_DEVICE u32 scaled_pair(u32 w, int shift, __half2 scale) {
+    return as_u32(__hmul2(q4_pair(w, shift), scale));
+}
+
+TI_DEVICE u32 word_of(const uint4& v, int j) {
+    return j == 0 ? v.x : j == 1 ? v.y : j == 2 ? v.z : v.w;
+}
+
+// One item of a warp: 16 rows (two 8-row blocks) x one 128-column piece, and the rows' scales.
+struct Q4Item {
+    uint4 lo, hi;           // row g and row g + 8 of the tile, 32 nibbles each (lane's 16 bytes)
+    __half s_lo, s_hi;      // their scales for the lane's 32 columns
+};
+
+// y = W h for NB * 8 rows of h at once, W q4 in 8-row blocks (layout.py; rows a multiple of 8,
+// kpad of 128), group a multiple of 32.
+//
+// mma.m16n8k16 with A = 16 weight rows, B = 8 rows of h. The sum over k does not care which column
+// sits in which k slot as long as A and B agree, so lane (g, t) feeds its own 16-byte load: row g
+// (and g + 8), columns 32 t .. 32 t + 31 of the piece, one group, one scale. Word j of the load holds
+// columns 8 j .. 8 j + 7; k-step 2 j takes columns (0, 4) as A's k slots 2t, 2t+1 and (1, 5) as 2t+8,
+// 2t+9, k-step 2 j + 1 columns (2, 6) and (3, 7): nibble masks at shifts 0 / 4 and 8 / 12. h is
+// staged once per block in shared memory in exactly that order (B fragments: uint4 per lane per
+// word, b0/b1 of both k-steps). Weights are rounded to fp16 as (n - 8) * scale, as prefill's
+// dequantization rounds them.
+//
+// Grid (row groups of tiles_per_block tiles, K slices of pieces_per_slice pieces); block BG_WARPS
+// warps, warp w takes tiles w, w + BG_WARPS, ... of its group over its slice, two items' loads in
+// flight ahead of the products. Dynamic shared memory: NB * 8 rows x the slice's columns, fp16.
+template <int NB>
+__global__ void __launch_bounds__(BG_WARPS * 32, 2) batch_gemv_q4(
+    const unsigned char* __restrict__ w, const __half* __restrict__ scales, int rows, int kpad, int group,
+    const __half* __restrict__ h, int ldh,    // [NB * 8][ldh] fp16, columns kpad of them read
+    int pieces_per_slice, int tiles_per_block,
+    float* __restrict__ parts)                // [gridDim.y][NB * 8][rows]
+{
+    extern __shared__ __align__(16) unsigned char bg_smem[];
+    uint4* hs = reinterpret_cast<uint4*>(bg_smem);      // [piece][NB][word j][lane]
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int n_pieces = kpad / BG_PIECE_COLS;
+    const int p0 = blockIdx.y * pieces_per_slice;
+    const int np = min(pieces_per_slice, n_pieces - p0);
+    const int n_tiles = (rows + 15) >> 4;
+    const int groups = kpad / group;
+    const size_t row_bytes = (size_t)kpad / 2;
+    const int first_tile = blockIdx.x * tiles_per_block + warp;
+    const int tile_end = min(n_tiles, (int)(blockIdx.x + 1) * tiles_per_block);
+    const int my_tiles = first_tile < tile_end ? (tile_end - first_tile + BG_WARPS - 1) / BG_WARPS : 0;
+    const int n_items = my_tiles * np;
+
+    auto load_item = [&](int k) {
+        Q4Item it;
+        const int tile = first_tile + (k / np) * BG_WARPS, piece = p0 + k % np;
+        const bool has_hi = tile * 16 + 8 < rows;
+        const unsigned char* block_lo = w + (size_t)tile * 16 * row_bytes + (size_t)piece * 512 + g * 64 + 16 * t;
+        const int scale_col = 8 * ((piece * BG_PIECE_COLS + 32 * t) / group) + g;
+        const __half* scale_lo = scales + (size_t)tile * 16 * groups + scale_col;
+        it.lo = load_stream(block_lo);
+        it.s_lo = scale_lo[0];
+        if (has_hi) {
+            it.hi = load_stream(block_lo + 8 * row_bytes);
+            it.s_hi = scale_lo[8 * groups];
+        } else {
+            it.hi = make_uint4(0u, 0u, 0u, 0u);
+            it.s_hi = __float2half(0.f);
+        }
+        return it;
+    };
+
+    // The first two items' weights are requested before h is staged.
+    Q4Item cur, next;
+    if (n_items > 0) cur = load_item(0);
+    if (n_items > 1) next = load_item(1);
+
+    const int stage_items = NB * 8 * np * 16;            // (row b, piece, lane t, word j), j fastest
+    for (int i = threadIdx.x; i < stage_items; i += blockDim.x) {
+        const int j = i & 3, tt = (i >> 2) & 3, rest = i >> 4;
+        const int p = rest % np, b = rest / np;
+        const uint4 v = *reinterpret_cast<const uint4*>(h + (size_t)b * ldh + (size_t)(p0 + p) * BG_PIECE_COLS
+                                                        + 32 * tt + 8 * j);
+        uint4 f;
+        f.x = __byte_perm(v.x, v.z, 0x5410);    // columns 0, 4: k-step 2j, b0
+        f.y = __byte_perm(v.x, v.z, 0x7632);    // columns 1, 5: k-step 2j, b1
+        f.z = __byte_perm(v.y, v.w, 0x5410);    // columns 2, 6: k-step 2j + 1, b0
+        f.w = __byte_perm(v.y, v.w, 0x7632);    // columns 3, 7: k-step 2j + 1, b1
+        hs[((p * NB + (b >> 3)) * 4 + j) * 32 + (b & 7) * 4 + tt] = f;
+    }
+    __syncthreads();
+
+    float acc[NB][4];
+#pragma unroll
+    for (int nb = 0; nb < NB; ++nb) acc[nb][0] = acc[nb][1] = acc[nb][2] = acc[nb][3] = 0.f;
+    float* out = parts + (size_t)blockIdx.y * NB * 8 * rows;
+
+    for (int k = 0; k < n_items; ++k) {
+        Q4Item after;
+        if (k + 2 < n_items) after = load_item(k + 2);
+        const int p = k % np;
+        const __half2 s_lo = __half2half2(cur.s_lo), s_hi = __half2half2(cur.s_hi);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            uint4 b[NB];
+#pragma unroll
+            for (int nb = 0; nb < NB; ++nb) b[nb] = hs[((p * NB + nb) * 4 + j) * 32 + lane];
+            const u32 wl = word_of(cur.lo, j), wh = word_of(cur.hi, j);
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const int shift = 8 * half;
+                const u32 a0 = scaled_pair(wl, shift, s_lo), a1 = scaled_pair(wh, shift, s_hi);
+                const u32 a2 = scaled_pair(wl, shift + 4, s_lo), a3 = scaled_pair(wh, shift + 4, s_hi);
+#pragma unroll
+                for (int nb = 0; nb < NB; ++nb)
+                    mma_16816(acc[nb], a0, a1, a2, a3, half ? b[nb].z : b[nb].x, half ? b[nb].w : b[nb].y);
+            }
+        }
+        if (p == np - 1) {                                // the tile's last piece: store its sums
+            const int tile = first_tile + (k / np) * BG_WARPS;
+            const int r_lo = tile * 16 + g, r_hi = r_lo + 8;
+            const bool has_hi = tile * 16 + 8 < rows;
+#pragma unroll
+            for (int nb = 0; nb < NB; ++nb) {
+                const int b0 = nb * 8 + 2 * t;
+                out[(size_t)b0 * rows + r_lo] = acc[nb][0];
+                out[(size_t)(b0 + 1) * rows + r_lo] = acc[nb][1];
+                if (has_hi) {
+                    out[(size_t)b0 * rows + r_hi] = acc[nb][2];
+                    out[(size_t)(b0 + 1) * rows + r_hi] = acc[nb][3];
+                }
+                acc[nb][0] = acc[nb][1] = acc[nb][2] = acc[nb][3] = 0.f;
+            }
+        }
+        cur = next;
+        next = after;
+    }
+}
+
+template __global__ void batch_gemv_q4<1>(const unsigned char*, const __half*, int, int, int, const __half*, int, int,
+                                          int, float*);
+template __global__ void batch_gemv_q4<2>(const unsigned char*, const __half*, int, int, int, const __half*, int, int,
+                                          int, float*);
+template __global__ void batch_gemv_q4<4>(const unsigned char*, const __half*, int, int, int, const __half*, int, int,
+                                          int, float*);
+
+// Sum of the K slices' partial sums of element i of row b (a linear's [slices][rows_pad][n] parts).
+TI_DEVICE float slice_sum(const float* __restrict__ parts, int n_slices, size_t slice_stride, size_t index) {
+    float total = 0.f;
+    for (int s = 0; s < n_slices; ++s) total += parts[s * slice_stride + index];
+    return total;
+}
+
+// Row b (grid (B), block 256): x[b] += the slices of parts (n_slices = 0: none), then
+// out[b] = rms_norm(x[b]) * w as fp16. parts: [n_slices][slice_stride / dim][dim].
+extern "C" __global__ void __launch_bounds__(256) batch_rmsnorm(
+    float* __restrict__ x, const float* __restrict__ parts, int n_slices, long long slice_stride,
+    const float* __restrict__ w, int dim, float eps, __half* __restrict__ out, int ldo)
+{
+    __shared__ float scratch[32];
+    const int b = blockIdx.x;
+    float* row = x + (size_t)b * dim;
+    float ss = 0.f;
+    for (int k = threadIdx.x; k < dim; k += blockDim.x) {
+        float v = row[k];
+        if (n_slices > 0) {
+            v += slice_sum(parts, n_slices, (size_t)slice_stride, (size_t)b * dim + k);
+            row[k] = v;
+        }
+        ss += v * v;
+    }
+    const float factor = rsqrtf(block_sum(ss, scratch) / (float)dim + eps);
+    for (int k = threadIdx.x; k < dim; k += blockDim.x)
+        out[(size_t)b * ldo + k] = __float2half_rn(row[k] * factor * w[k]);
+}
+
+// Row b (grid (B), block 256): qkv = the slices' sum (+ bias, Qwen2's; nullptr: none); q rotated
+// (rotate-half, tables [ctx][hd/2]) and times q_scale into q_out [B][n_heads][hd] float32; k
+// rotated and v into the row's slot of this layer's cache [slots][ctx][n_kv][hd] at its position.
+extern "C" __global__ void __launch_bounds__(256) batch_rope_store(
+    const float* __restrict__ parts, int n_slices, long long slice_stride, const float* __restrict__ bias,
+    const int* __restrict__ positions, const int* __restrict__ slots, int n_heads, int n_kv, int hd,
+    const float* __restrict__ rope_cos, const float* __restrict__ rope_sin, float q_scale,
+    float* __restrict__ q_out, __half* __restrict__ k_cache, __half* __restrict__ v_cache, long long slot_stride)
+{
+    const int b = blockIdx.x, pos = positions[b], half_hd = hd >> 1;
+    const int width = (n_heads + 2 * n_kv) * hd;
+    auto value = [&](int i) {
+        const float v = slice_sum(parts, n_slices, (size_t)slice_stride, (size_t)b * width + i);
+        return bias ? v + bias[i] : v;
+    };
+    const float* cos_p = rope_cos + (size_t)pos * half_hd;
+    const float* sin_p = rope_sin + (size_t)pos * half_hd;
+    float* q = q_out + (size_t)b * n_heads * hd;
+    for (int i = threadIdx.x; i < n_heads * half_hd; i += blockDim.x) {
+        const int hh = i / half_hd, d = i % half_hd;
+        const float a = value(hh * hd + d), c = value(hh * hd + d + half_hd);
+        q[hh * hd + d] = (a * cos_p[d] - c * sin_p[d]) * q_scale;
+        q[hh * hd + d + half_hd] = (c * cos_p[d] + a * sin_p[d]) * q_scale;
+    }
+    const size_t cache_row = (size_t)slots[b] * slot_stride + (size_t)pos * n_kv * hd;
+    const int k0 = n_heads * hd, v0 = (n_heads + n_kv) * hd;
+    for (int i = threadIdx.x; i < n_kv * half_hd; i += blockDim.x) {
+        const int hh = i / half_hd, d = i % half_hd;
+        const float a = value(k0 + hh * hd + d), c = value(k0 + hh * hd + d + half_hd);
+        k_cache[cache_row + hh * hd + d] = __float2half_rn(a * cos_p[d] - c * sin_p[d]);
+        k_cache[cache_row + hh * hd + d + half_hd] = __float2half_rn(c * cos_p[d] + a * sin_p[d]);
+    }
+    for (int i = threadIdx.x; i < n_kv * hd; i += blockDim.x)
+        v_cache[cache_row + i] = __float2half_rn(value(v0 + i));
+}
+
+// Block max over `scratch` (at least 32 floats); every thread gets it.
+TI_DEVICE float block_max(float v, float* scratch) {
+    __syncthreads();
+    v = warp_max(v);
+    if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = v;
+    __syncthreads();
+    float m = -TI_INF;
+    for (int i = 0; i < (int)(blockDim.x >> 5); ++i) m = fmaxf(m, scratch[i]);
+    return m;
+}
+
+// One (query head, row) per block (grid (n_heads, B), block 128): softmax(q K^T) V over the row's
+// slot, cache rows first_key(pos, window)..pos, in float32 from the fp16 cache. Thread i scores keys
+// i, i + 128, ... (its own 16-byte loads of each key row), the scores stay in shared memory, and for
+// p . V threads (d, part) sum the keys of their part, so each warp reads whole V rows.
+// Dynamic shared memory: floats hd (q) + n_keys_max (scores) + 128 (p . V parts).
+extern "C" __global__ void __launch_bounds__(128) batch_attention(
+    const float* __restrict__ q, const __half* __restrict__ k_cache, const __half* __restrict__ v_cache,
+    long long slot_stride, const int* __restrict__ positions, const int* __restrict__ slots,
+    int n_heads, int n_kv, int hd, int window, __half* __restrict__ out, int ldo)
+{
+    extern __shared__ __align__(16) float ba_smem[];
+    __shared__ float scratch[32];
+    const int head = blockIdx.x, b = blockIdx.y;
+    const int kvh = head / (n_heads / n_kv);
+    const int pos = positions[b];
+    const int first = window > 0 ? max(0, pos - window + 1) : 0;
+    const int n_keys = pos - first + 1;
+    float* qs = ba_smem;
+    float* scores = qs + hd;
+    float* pv = scores + n_keys;          // [128]
+    for (int d = threadIdx.x; d < hd; d += blockDim.x) qs[d] = q[((size_t)b * n_heads + head) * hd + d];
+    __syncthreads();
+
+    const size_t row_stride = (size_t)n_kv * hd;
+    const __half* k_rows = k_cache + (size_t)slots[b] * slot_stride + (size_t)first * row_stride + (size_t)kvh * hd;
+    const __half* v_rows = v_cache + (size_t)slots[b] * slot_stride + (size_t)first * row_stride + (size_t)kvh * hd;
+    float best = -TI_INF;
+    for (int i = threadIdx.x; i < n_keys; i += blockDim.x) {
+        const __half* key = k_rows + (size_t)i * row_stride;
+        float s = 0.f;
+        for (int d = 0; d < hd; d += 8) {
+            const uint4 raw = *reinterpret_cast<const uint4*>(key + d);
+            const u32 words[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&words[e]));
+                s += qs[d + 2 * e] * f.x + qs[d + 2 * e + 1] * f.y;
+            }
+        }
+        scores[i] = s;
+        best = fmaxf(best, s);
+    }
+    best = block_max(best, scratch);
+    float sum = 0.f;
+    for (int i = threadIdx.x; i < n_keys; i += blockDim.x) {
+        const float p = __expf(scores[i] - best);
+        scores[i] = p;
+        sum += p;
+    }
+    const float total = block_sum(sum, scratch);      // (its barriers also publish the probabilities)
+
+    const int n_parts = blockDim.x / hd;              // hd <= 128: at least one
+    const int d = threadIdx.x % hd, part = threadIdx.x / hd;
+    float acc = 0.f;
+    if (part < n_parts)
+        for (int i = part; i < n_keys; i += n_parts) acc += scores[i] * __half2float(v_rows[(size_t)i * row_stride + d]);
+    pv[threadIdx.x] = acc;
+    __syncthreads();
+    if (threadIdx.x < hd) {
+        float o = 0.f;
+        for (int p = 0; p < n_parts; ++p) o += pv[p * hd + threadIdx.x];
+        out[(size_t)b * ldo + head * hd + threadIdx.x] = __float2half_rn(o / total);
+    }
+}
+
+// out[b][c] = silu(gate) * up as fp16, from the gate/up linear's slices (rows: ffn gate then ffn up).
+// Grid-stride over B * ffn.
+extern "C" __global__ void __launch_bounds__(256) batch_swiglu(
+    const float* __restrict__ parts, int n_slices, long long slice_stride, int rows_b, int ffn,
+    __half* __restrict__ out, int ldo)
+{
+    const size_t n = (size_t)rows_b * ffn;
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+        const size_t b = i / ffn, c = i % ffn;
+        const float gate = slice_sum(parts, n_slices, (size_t)slice_stride, b * 2 * ffn + c);
+        const float up = slice_sum(parts, n_slices, (size_t)slice_stride, b * 2 * ffn + ffn + c);
+        out[b * ldo + c] = __float2half_rn(gate / (1.f + __expf(-gate)) * up);
+    }
+}
+
+// Row b (grid (B), block 1024): logits[b] = the head's slices' sum, best[b] = its argmax (the lowest
+// id among equal maxima, as np.argmax; NaN never wins).
+extern "C" __global__ void __launch_bounds__(1024) batch_logits(
+    const float* __restrict__ parts, int n_slices, long long slice_stride, int vocab,
+    float* __restrict__ logits, int* __restrict__ best)
+{
+    __shared__ float warp_value[32];
+    __shared__ int warp_id[32];
+    const int b = blockIdx.x;
+    float value = -TI_INF;
+    int id = 0x7fffffff;
+    for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
+        const float v = slice_sum(parts, n_slices, (size_t)slice_stride, (size_t)b * vocab + i);
+        logits[(size_t)b * vocab + i] = v;
+        if (v > value) { value = v; id = i; }          // ascending i: the first maximum stays
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const float ov = __shfl_xor_sync(0xffffffffu, value, o);
+        const int oi = __shfl_xor_sync(0xffffffffu, id, o);
+        if (ov > value || (ov == value && oi < id)) { value = ov; id = oi; }
+    }
+    if ((threadIdx.x & 31) == 0) { warp_value[threadIdx.x >> 5] = value; warp_id[threadIdx.x >> 5] = id; }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        for (int w = 1; w < (int)(blockDim.x >> 5); ++w)
+            if (warp_value[w] > value || (warp_value[w] == value && warp_id[w] < id)) { value = warp_value[w]; id = warp_id[w]; }
+        best[b] = id == 0x7fffffff ? 0 : id;
+    }
+}

@@ -1,0 +1,134 @@
+"""Batched decoding without a GPU: the q4 GEMV's fragment order emulated in NumPy, how its work is
+split, the step's buckets, and Model.generate_batch's serial fallback on the CPU."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tinyinfer.formats.quant import scale_offset
+from tinyinfer.kernels import batch as batch_k
+from tinyinfer.kernels import gemv as gemv_k
+from tinyinfer.kernels import layout
+from tinyinfer.kernels import prefill as prefill_k
+from tinyinfer.runtime import load
+from tinyinfer.runtime.bench import random_encoded, write_random_model
+from tinyinfer.runtime.cuda_batch import BUCKETS, bucket_for
+
+from tinf_samples import stored_bytes  # noqa: E402
+
+
+def q4_pair(word: int, shift: int, scale: np.float16) -> np.ndarray:
+    """batch.cu q4_pair then the scale: the two fp16 values of one half2 register (low, high)."""
+    nibbles = np.array([(word >> shift) & 0xF, (word >> (shift + 16)) & 0xF], dtype=np.float16)
+    return (nibbles - np.float16(8)) * scale
+
+
+def staged_words(h_row: np.ndarray, column: int) -> list[np.ndarray]:
+    """The staged uint4 of one lane and word: four half2 (b0, b1 of two k-steps) from 8 columns."""
+    x = h_row[column: column + 8]
+    return [x[[0, 4]], x[[1, 5]], x[[2, 6]], x[[3, 7]]]
+
+
+def emulate_gemv(blocked: np.ndarray, rows: int, kpad: int, group: int, h: np.ndarray) -> np.ndarray:
+    """What batch_gemv_q4 computes, lane by lane: A and B fragments built as the kernel builds them,
+    each mma as D[m][n] += sum_k A[m][k] B[k][n] over the PTX fragment layout."""
+    row_bytes = kpad // 2
+    groups = kpad // group
+    scales = blocked[scale_offset("q4", (rows, kpad), group):].view(np.float16)
+    padded = h.shape[0]
+    out = np.zeros((padded, rows), np.float64)
+    for tile in range(-(-rows // 16)):
+        for piece in range(kpad // 128):
+            for nb in range(padded // 8):
+                d = np.zeros((16, 8))
+                for j in range(4):
+                    for half in range(2):
+                        a, b = np.zeros((16, 16)), np.zeros((16, 8))
+                        for lane in range(32):
+                            g, t = lane >> 2, lane & 3
+                            for hi in (0, 1):
+                                r = tile * 16 + 8 * hi + g
+                                if r >= rows:
+                                    continue
+                                at = (r - r % 8) * row_bytes + piece * 512 + (r % 8) * 64 + 16 * t + 4 * j
+                                word = int(blocked[at: at + 4].view(np.uint32)[0])
+                                scale = scales[(r - r % 8) * groups + 8 * ((piece * 128 + 32 * t) // group) + r % 8]
+                                a[8 * hi + g, 2 * t: 2 * t + 2] = q4_pair(word, 8 * half, scale)
+                                a[8 * hi + g, 2 * t + 8: 2 * t + 10] = q4_pair(word, 8 * half + 4, scale)
+                            words = staged_words(h[nb * 8 + g], piece * 128 + 32 * t + 8 * j)
+                            b[2 * t: 2 * t + 2, g] = words[2 * half]
+                            b[2 * t + 8: 2 * t + 10, g] = words[2 * half + 1]
+                        d += a @ b
+                for hi in (0, 1):
+                    r0 = tile * 16 + 8 * hi
+                    n_rows = min(8, rows - r0)
+                    if n_rows > 0:
+                        out[nb * 8: nb * 8 + 8, r0: r0 + n_rows] += d[8 * hi: 8 * hi + n_rows].T
+    return out
+
+
+@pytest.mark.parametrize("rows, cols, group, padded", [(24, 256, 32, 8), (16, 128, 64, 16), (8, 256, 128, 8)])
+def test_gemv_fragment_order_multiplies_every_column_once(rows, cols, group, padded):
+    """The kernel's column-to-k-slot mapping (weights by nibble shifts, h by the staging permutation)
+    pairs each weight with its own column of h: the emulation equals h @ W^T of the dequantized weights."""
+    rng = np.random.default_rng(rows + cols + group)
+    tensor = random_encoded("q4", (rows, cols), group, rng)
+    shape = gemv_k.shape_of(tensor)
+    assert batch_k.can_run("q4", rows, shape.cols_pad, group)
+    blocked = stored_bytes(tensor).copy()
+    layout.block_in_place(blocked, shape)
+    h = rng.standard_normal((padded, shape.cols_pad)).astype(np.float16)
+    got = emulate_gemv(blocked, rows, shape.cols_pad, group, h)
+    expected = batch_k.gemv_reference(h, prefill_k.dequant_reference(tensor))
+    assert np.allclose(got, expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
+
+
+@pytest.mark.parametrize("rows, kpad", [(2560, 2048), (11264, 2048), (2048, 5632), (32000, 2048), (12288, 4096),
+                                        (22016, 4096), (4096, 11008), (8, 128), (200, 384)])
+@pytest.mark.parametrize("padded", [8, 16, 32])
+def test_gemv_plan_covers_every_tile_and_piece(rows, kpad, padded):
+    plan = batch_k.plan_gemv(rows, kpad, padded, n_sms=132)
+    pieces = kpad // 128
+    assert plan.slices * plan.pieces_per_slice >= pieces > (plan.slices - 1) * plan.pieces_per_slice
+    assert plan.grid[0] * plan.tiles_per_block >= -(-rows // 16) > (plan.grid[0] - 1) * plan.tiles_per_block
+    assert plan.tiles_per_block % batch_k.GEMV_WARPS == 0
+    assert plan.shared_bytes <= batch_k.STAGE_BYTES
+
+
+def test_buckets_and_padded_rows():
+    assert [bucket_for(n) for n in (1, 2, 3, 5, 8, 9, 17, 32)] == [1, 2, 4, 8, 8, 16, 32, 32]
+    assert [batch_k.padded_rows(b) for b in BUCKETS] == [8, 8, 8, 8, 16, 32]
+    with pytest.raises(ValueError):
+        batch_k.padded_rows(33)
+
+
+def test_attention_reference_is_the_reference_per_row():
+    """kernels/batch.attention_reference (the oracle of batch_attention) is reference.attention of each row."""
+    from tinyinfer.runtime import reference as ref
+
+    rng = np.random.default_rng(3)
+    k = rng.standard_normal((3, 20, 2, 16)).astype(np.float16)
+    v = rng.standard_normal((3, 20, 2, 16)).astype(np.float16)
+    q = rng.standard_normal((2, 4, 16)).astype(np.float32)
+    got = batch_k.attention_reference(q / np.float32(4.0), k, v, [5, 19], [2, 0])
+    for b, (pos, slot) in enumerate([(5, 2), (19, 0)]):
+        expected = ref.attention(q[b: b + 1], k[slot, : pos + 1].astype(np.float32),
+                                 v[slot, : pos + 1].astype(np.float32), np.array([pos]))
+        assert np.allclose(got[b].astype(np.float32), expected[0], rtol=2e-3, atol=2e-3)
+
+
+def test_generate_batch_on_the_cpu_is_each_prompt_alone(tmp_path):
+    """Without a GPU, generate_batch runs the prompts one after the other: the same texts as generate()."""
+    from tinyinfer.runtime.bench import tinf_config
+
+    config = tinf_config({"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
+                          "intermediate_size": 128, "vocab_size": 300, "num_hidden_layers": 2,
+                          "max_position_embeddings": 128})
+    path = write_random_model(tmp_path / "tiny.tinf", config, "q4")
+    with load(path, device="cpu") as model:
+        prompts = ["hello there", "a longer prompt than the first one"]
+        texts = model.generate_batch(prompts, max_tokens=6, temperature=0.8, seed=5)
+        alone = ["".join(model.generate(p, max_tokens=6, temperature=0.8, seed=5 + i)) for i, p in enumerate(prompts)]
+    assert texts == alone
+    assert len(texts) == 2
