@@ -324,37 +324,55 @@ class BatchEngine:
         if slot in self.waiting:
             self.waiting.remove(slot)
 
-    def prefill_chunk_of(self, seq: Sequence) -> None:
-        """One chunk of the prompt (all but its last token) into the sequence's slot."""
-        end = min(seq.prefilled + self.prefill_chunk, seq.prompt.size - 1)
-        ops = self.prefill_ops
-        ops.backend.k_cache, ops.backend.v_cache = self.k_cache[:, seq.slot], self.v_cache[:, seq.slot]
-        with self.stream:
-            cuda_prefill.run_prefill(ops, self.config, seq.prompt[seq.prefilled: end], seq.prefilled,
-                                     ops.chunk, None)
+    def prefill_some(self, seq: Sequence, n_tokens: int) -> int:
+        """Up to n_tokens more of the prompt (all but its last token) into the sequence's slot; how many."""
+        begin, end = seq.prefilled, min(seq.prefilled + n_tokens, seq.prompt.size - 1)
+        if end > begin:
+            self.prefill_span(seq.slot, seq.prompt[begin: end], begin)
         seq.prefilled = end
+        return end - begin
 
-    def advance_prefill(self, until_one_decodes: bool) -> None:
-        """One prefill chunk of the first waiting prompt; with nothing decoding, until one prompt is in."""
+    def prefill_span(self, slot: int, ids: np.ndarray, start: int) -> None:
+        """K/V of ids at positions start.. into the slot (cuda_prefill's kernels over its cache)."""
+        ops = self.prefill_ops
+        ops.backend.k_cache, ops.backend.v_cache = self.k_cache[:, slot], self.v_cache[:, slot]
+        with self.stream:
+            cuda_prefill.run_prefill(ops, self.config, ids, start, ops.chunk, None)
+
+    def advance_prefill(self, must_admit: bool) -> None:
+        """Prefill up to prefill_chunk tokens of the waiting prompts, first come first (so the running
+        sequences wait at most one chunk); with nothing decoding (must_admit), until one prompt is in."""
+        budget = self.prefill_chunk
         while self.waiting:
+            if budget <= 0:
+                if not must_admit:
+                    return
+                budget = self.prefill_chunk
             seq = self.sequences[self.waiting[0]]
-            if not seq.decoding:
-                self.prefill_chunk_of(seq)
+            budget -= self.prefill_some(seq, budget)
             if seq.decoding:
                 self.waiting.pop(0)
-            if not until_one_decodes or any(s.decoding for s in self.sequences.values() if s.slot not in self.waiting):
-                return
+                must_admit = False
 
     def step(self) -> dict[int, TokenEvent]:
-        """One decode step of every sequence whose prompt is in (after one prefill chunk of a waiting
-        one): {slot: its new token}. Finished sequences leave, their slots free."""
+        """One decode step of every sequence whose prompt is in (after up to one chunk of prefill):
+        {slot: its new token}. Finished sequences leave, their slots free."""
         decoding = [s for s in self.sequences.values() if s.decoding and s.slot not in self.waiting]
-        self.advance_prefill(until_one_decodes=not decoding)
+        self.advance_prefill(must_admit=not decoding)
         rows = sorted((s for s in self.sequences.values() if s.decoding and s.slot not in self.waiting),
                       key=lambda s: s.slot)
         if not rows:
             return {}
         tick = time.perf_counter()
+        best, logits = self.decode(rows, self.keep_logits or not all(s.device_greedy for s in rows))
+        self.step_times.append(time.perf_counter() - tick)
+        if self.keep_logits:
+            self.last_logits = {seq.slot: logits[r] for r, seq in enumerate(rows)}
+        return {seq.slot: self.advance(seq, int(best[r]), logits[r] if logits is not None else None)
+                for r, seq in enumerate(rows)}
+
+    def decode(self, rows: list[Sequence], want_logits: bool):
+        """One step of the rows on the device: (greedy argmax per row, logits [rows, vocab] or None)."""
         n = bucket_for(len(rows))
         table = self.table_host
         table[0, :n], table[1, :n], table[2, :n] = 0, 0, self.n_slots     # padding rows: the spare slot
@@ -364,22 +382,19 @@ class BatchEngine:
         cp.cuda.runtime.memcpyAsync(self.table.data.ptr, table.ctypes.data, table.nbytes, H2D, self.stream.ptr)
         self.run_step(n)
         cp.cuda.runtime.memcpyAsync(self.best_host.ctypes.data, self.best.data.ptr, 4 * n, D2H, self.stream.ptr)
-        logits = None
-        if self.keep_logits or not all(s.device_greedy for s in rows):
-            logits = self.logits[: len(rows)].get(stream=self.stream)
+        logits = self.logits[: len(rows)].get(stream=self.stream) if want_logits else None
         self.stream.synchronize()
-        self.step_times.append(time.perf_counter() - tick)
-        if self.keep_logits:
-            self.last_logits = {seq.slot: logits[r] for r, seq in enumerate(rows)}
-        return {seq.slot: self.advance(seq, r, logits) for r, seq in enumerate(rows)}
+        return self.best_host[: len(rows)].copy(), logits
 
-    def advance(self, seq: Sequence, row: int, logits) -> TokenEvent:
+    def advance(self, seq: Sequence, best: int, logits) -> TokenEvent:
+        """The sequence's next token (the device's argmax, or sampled from its logits row); it leaves
+        at a stop id or at its budget."""
         u = seq.rng.random()                 # one draw per token, greedy too (Backend.generate_ids)
         if seq.device_greedy:
-            token = int(self.best_host[row])
+            token = best
         else:
             history = np.concatenate([seq.prompt, np.asarray(seq.generated, dtype=np.int64)])
-            token = sample(logits[row], seq.params, history, u)
+            token = sample(logits, seq.params, history, u)
         seq.generated.append(token)
         reason = "stop" if token in seq.stop_ids else "length" if len(seq.generated) >= seq.max_new_tokens else None
         if reason:

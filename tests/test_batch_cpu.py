@@ -13,7 +13,8 @@ from tinyinfer.kernels import layout
 from tinyinfer.kernels import prefill as prefill_k
 from tinyinfer.runtime import load
 from tinyinfer.runtime.bench import random_encoded, write_random_model
-from tinyinfer.runtime.cuda_batch import BUCKETS, bucket_for
+from tinyinfer.runtime.cuda_batch import BUCKETS, BatchEngine, bucket_for
+from tinyinfer.runtime.sampling import SamplingParams
 
 from tinf_samples import stored_bytes  # noqa: E402
 
@@ -132,3 +133,75 @@ def test_generate_batch_on_the_cpu_is_each_prompt_alone(tmp_path):
         alone = ["".join(model.generate(p, max_tokens=6, temperature=0.8, seed=5 + i)) for i, p in enumerate(prompts)]
     assert texts == alone
     assert len(texts) == 2
+
+
+class ScheduleOnly(BatchEngine):
+    """The engine's scheduling with the device work replaced: prefill spans and decode rows recorded,
+    each row's token a function of its slot and position."""
+
+    def __init__(self, slots: int, prefill_chunk: int, vocab: int = 97, max_context: int = 200):
+        self.n_slots, self.prefill_chunk, self.vocab, self.max_context = slots, prefill_chunk, vocab, max_context
+        self.keep_logits, self.last_logits = False, {}
+        self.sequences, self.waiting, self.step_times = {}, [], []
+        self.spans, self.steps = [], []
+
+    def prefill_span(self, slot, ids, start):
+        self.spans[-1].append((slot, start, start + ids.size))
+
+    def decode(self, rows, want_logits):
+        self.steps[-1] = [(s.slot, s.position, s.token) for s in rows]
+        best = np.array([(7 * s.slot + s.position) % self.vocab for s in rows])
+        logits = np.random.default_rng(len(self.steps)).standard_normal((len(rows), self.vocab)) if want_logits else None
+        return best, logits
+
+    def step(self):
+        self.spans.append([])
+        self.steps.append([])
+        return super().step()
+
+
+def test_schedule_prefills_in_chunks_and_feeds_each_sequence_its_own_tokens():
+    """5 prompts through 3 slots: each prompt but its last token is prefilled once, in order, at most
+    one chunk per step while others decode; each row's input is its prompt's last token, then its own
+    previous output, at its own next position; slots are reused as sequences leave; one cancel."""
+    engine = ScheduleOnly(slots=3, prefill_chunk=10)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, 97, n) for n in (1, 25, 4, 12, 30, 6)]
+    budgets = [5, 3, 6, 4, 2, 9]
+    params = [SamplingParams(temperature=0.7) if i == 2 else SamplingParams() for i in range(len(prompts))]
+    owner, queue, slot_of = {}, list(range(len(prompts))), {}
+    outputs, inputs, spans = ([[] for _ in prompts] for _ in range(3))
+    for step in range(100):
+        while queue and engine.free_slots():
+            i = queue.pop(0)
+            slot_of[i] = engine.submit(prompts[i], params[i], budgets[i], seed=i)
+            owner[slot_of[i]] = i
+        if len(outputs[5]) == 2 and slot_of[5] in owner:
+            engine.cancel(slot_of[5])
+            del owner[slot_of[5]]
+            assert slot_of[5] in engine.free_slots()
+        if not engine.has_work():
+            break
+        was_decoding = any(r for r in engine.steps)
+        events = engine.step()
+        prefilled = sum(e - b for _, b, e in engine.spans[-1])
+        assert prefilled <= 10 or not was_decoding, "the running sequences waited for more than one chunk"
+        for slot, begin, end in engine.spans[-1]:
+            spans[owner[slot]].append((begin, end))
+        for slot, pos, token in engine.steps[-1]:
+            inputs[owner[slot]].append((pos, token))
+        for slot, event in events.items():
+            outputs[owner[slot]].append(event.token)
+            if event.finish_reason:
+                assert event.finish_reason == "length" and slot not in engine.active_slots()
+                del owner[slot]
+    assert not queue and not engine.has_work() and not owner
+    assert [len(o) for o in outputs] == budgets[:5] + [2]
+    assert len(set(slot_of.values())) == 3                  # slots were reused
+    for i, prompt in enumerate(prompts):
+        covered = [p for b, e in spans[i] for p in range(b, e)]
+        assert covered == list(range(prompt.size - 1))
+        first = prompt.size - 1
+        assert inputs[i] == [(first + k, int(t)) for k, t in enumerate([prompt[-1]] + outputs[i][:-1])]
+        if i != 2:                                  # greedy rows take the device's argmax
+            assert outputs[i] == [(7 * slot_of[i] + first + k) % 97 for k in range(len(outputs[i]))]
