@@ -85,9 +85,10 @@ def plan_gemv(rows: int, kpad: int, padded: int, n_sms: int) -> GemvPlan:
 
 # ------------------------------------------------------------------------------------- launches
 
-def make_gemv(mod, plan: GemvPlan, weight_ptr: int, scale_ptr: int, group: int, h, ldh: int, parts) -> Launch:
+def make_gemv(mod, plan: GemvPlan, weight_ptr: int, scale_ptr: int, group: int, h, ldh: int, parts,
+              name: str = "batch_gemv_q4") -> Launch:
     kernel = mod.get_function(f"batch_gemv_q4<{plan.padded // ROW_CHUNK}>")
-    return Launch("batch_gemv_q4", kernel, plan.grid, (GEMV_WARPS * 32,), (
+    return Launch(name, kernel, plan.grid, (GEMV_WARPS * 32,), (
         np.uint64(weight_ptr), np.uint64(scale_ptr), np.int32(plan.rows), np.int32(plan.kpad), np.int32(group),
         h, np.int32(ldh), np.int32(plan.pieces_per_slice), np.int32(plan.tiles_per_block), parts),
         shared_mem=plan.shared_bytes, bytes_read=plan.rows * plan.kpad // 2)

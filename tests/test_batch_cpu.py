@@ -205,3 +205,114 @@ def test_schedule_prefills_in_chunks_and_feeds_each_sequence_its_own_tokens():
         assert inputs[i] == [(first + k, int(t)) for k, t in enumerate([prompt[-1]] + outputs[i][:-1])]
         if i != 2:                                  # greedy rows take the device's argmax
             assert outputs[i] == [(7 * slot_of[i] + first + k) % 97 for k in range(len(outputs[i]))]
+
+
+# ------------------------------------------------------------------- the step's launches, no GPU
+
+class HostArray(np.ndarray):
+    """A NumPy array with CuPy's .data.ptr, so the engine's buffers can be host arrays."""
+
+    @property
+    def data(self):
+        return type("Pointer", (), {"ptr": self.ctypes.data})()
+
+
+class FakeKernel:
+    shared_size_bytes, max_dynamic_shared_size_bytes = 0, 1 << 20
+
+    def __init__(self, name):
+        self.name = name
+
+
+class FakeModule:
+    def get_function(self, name):
+        return FakeKernel(name)
+
+
+class FakeCupy:
+    float16, float32, int32 = np.float16, np.float32, np.int32
+
+    class cuda:
+        class Device:
+            mem_info = (80 << 30, 80 << 30)
+
+    @staticmethod
+    def get_default_memory_pool():
+        return type("Pool", (), {"free_bytes": lambda self: 0})()
+
+    @staticmethod
+    def zeros(shape, dtype):
+        return np.zeros(shape, dtype).view(HostArray)
+
+
+class FakeStream:
+    ptr = 0
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def kernel_parameters(source: str, name: str) -> list[str]:
+    """The parameter declarations of kernel `name` in a .cu source."""
+    import re
+
+    from tinyinfer.kernels.build import source_text
+
+    text = source_text(source)
+    start = re.search(rf"\b{re.escape(name)}\(", text).end()
+    depth, end = 1, start
+    while depth:
+        depth += {"(": 1, ")": -1}.get(text[end], 0)
+        end += 1
+    return [p.strip() for p in re.sub(r"//[^\n]*", "", text[start: end - 1]).split(",")]
+
+
+def expected_kind(parameter: str) -> str:
+    if "*" in parameter:
+        return "pointer"
+    return parameter.replace("const ", "").rsplit(" ", 1)[0].strip()
+
+
+def test_every_launch_of_the_step_passes_its_kernel_parameters(tmp_path, monkeypatch):
+    """The launches of a step (each bucket) against batch.cu's and prefill.cu's signatures: the count of
+    arguments, a pointer for each pointer, and each scalar in its C type (CuPy would pass a Python int as
+    64 bits)."""
+    from tinyinfer.formats import open_tinf
+    from tinyinfer.runtime import cuda_batch
+    from tinyinfer.runtime import reference as ref
+    from tinyinfer.runtime.bench import tinf_config
+
+    config = tinf_config({"hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2,
+                          "intermediate_size": 384, "vocab_size": 512, "num_hidden_layers": 2,
+                          "max_position_embeddings": 64})
+    tinf = open_tinf(write_random_model(tmp_path / "m.tinf", config, "q4"))
+    data = np.frombuffer(tinf.path.read_bytes(), np.uint8)   # any bytes: the launches only take pointers
+    cos, sin = ref.rope_tables(config["head_dim"], 64, 10000.0, None)
+    backend = type("Backend", (), {
+        "cp": FakeCupy, "tinf": tinf, "config": tinf.config, "max_context": 64, "n_sms": 132,
+        "compute_capability": 90, "stream": FakeStream(), "rope_cos": cos, "rope_sin": sin,
+        "view": lambda self, name: data[: tinf.info(name).nbytes].copy().view(HostArray),
+        "f32_view": lambda self, name: data[: tinf.info(name).nbytes].copy().view(np.float32).view(HostArray),
+    })()
+    monkeypatch.setattr(cuda_batch.batch_k, "compile_batch", lambda cc: FakeModule())
+    monkeypatch.setattr(cuda_batch.cuda_prefill, "CudaOps", lambda b, chunk: type("Ops", (), {"mod": FakeModule()})())
+    monkeypatch.setattr(cuda_batch, "pinned_empty", lambda n, dtype: np.zeros(n, dtype))
+    engine = cuda_batch.BatchEngine(backend, slots=3, max_context=64)
+    types = {"int": np.int32, "float": np.float32, "long long": np.int64}
+    for n in BUCKETS:
+        launches = engine.build_step(n)
+        assert len(launches) == 2 + 9 * config["n_layers"] + 1 + 1
+        for launch in launches:
+            name = launch.kernel.name
+            source = "prefill.cu" if name == "embed_rows" else "batch.cu"
+            params = kernel_parameters(source, name.split("<")[0])
+            assert len(launch.args) == len(params), f"{name}: {len(launch.args)} arguments for {len(params)}"
+            for arg, param in zip(launch.args, params):
+                kind = expected_kind(param)
+                if kind == "pointer":
+                    assert isinstance(arg, (np.ndarray, np.uint64)), f"{name}: {param} gets {type(arg)}"
+                else:
+                    assert type(arg) is types[kind], f"{name}: {param} gets {type(arg).__name__}"
