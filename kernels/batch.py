@@ -21,6 +21,7 @@ GEMV_NB = (1, 2, 4)          # batch_gemv_q4<NB> instances: 8, 16 or 32 rows
 STAGE_BYTES = 64 << 10       # shared memory for a block's staged h
 BLOCKS_PER_SM = 2            # the GEMV grid aims at this many blocks per SM
 ATTENTION_THREADS = 128
+MAX_SHARED_BYTES = 227 << 10  # a block's opt-in shared memory on Hopper, where the device does not say
 MAX_ROWS = 32
 
 

@@ -125,6 +125,12 @@ class BatchEngine:
         c = self.config = backend.config
         check_model(self.tinf)
         self.max_context = min(max_context or backend.max_context, backend.max_context)
+        props = self.cp.cuda.runtime.getDeviceProperties(self.cp.cuda.Device().id)
+        shared = int(props.get("sharedMemPerBlockOptin", batch_k.MAX_SHARED_BYTES))
+        if batch_k.attention_shared_bytes(c["head_dim"], self.max_context) > shared:
+            most = shared // 4 - c["head_dim"] - batch_k.ATTENTION_THREADS
+            raise DeviceError(f"batched attention holds a row's scores in shared memory, up to {most} positions; "
+                              f"load the batch with max_context of at most {most}.")
         self.dim, self.n_layers, self.vocab = c["dim"], c["n_layers"], c["vocab_size"]
         self.n_heads, self.n_kv, self.hd, self.ffn = c["n_heads"], c["n_kv_heads"], c["head_dim"], c["ffn_dim"]
         self.stream = backend.stream

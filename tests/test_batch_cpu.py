@@ -234,7 +234,13 @@ class FakeCupy:
 
     class cuda:
         class Device:
+            id = 0
             mem_info = (80 << 30, 80 << 30)
+
+        class runtime:
+            @staticmethod
+            def getDeviceProperties(device):
+                return {"sharedMemPerBlockOptin": 227 << 10}
 
     @staticmethod
     def get_default_memory_pool():
