@@ -12,6 +12,10 @@
 //
 // The linears write partial sums per K slice instead of adding them with atomics, and the next
 // kernel adds the slices in a fixed order, so a step's results do not depend on block timing.
+// Programmatic dependent launch (kernels/pdl.py): every kernel lets the next one launch at its top
+// and waits (pdl_wait) before its first read of an activation; the GEMV requests its first weights
+// before that. Activations are read through pointers without __restrict__ (plain loads) or with
+// __ldcg, never ld.global.nc, which ptxas may move above the wait (kernels/README.md).
 // Plain kernels are extern "C"; the GEMV template goes through NVRTC name expressions.
 #include "common.cuh"
 
@@ -57,7 +61,7 @@ struct Q4Item {
 template <int NB>
 __global__ void __launch_bounds__(BG_WARPS * 32, 2) batch_gemv_q4(
     const unsigned char* __restrict__ w, const __half* __restrict__ scales, int rows, int kpad, int group,
-    const __half* __restrict__ h, int ldh,    // [NB * 8][ldh] fp16, columns kpad of them read
+    const __half* h, int ldh,                 // [NB * 8][ldh] fp16, columns kpad of them read
     int pieces_per_slice, int tiles_per_block,
     float* __restrict__ parts)                // [gridDim.y][NB * 8][rows]
 {
@@ -95,17 +99,19 @@ __global__ void __launch_bounds__(BG_WARPS * 32, 2) batch_gemv_q4(
         return it;
     };
 
-    // The first two items' weights are requested before h is staged.
+    // The first two items' weights are requested before the previous kernel has finished.
+    pdl_launch_dependents();
     Q4Item cur, next;
     if (n_items > 0) cur = load_item(0);
     if (n_items > 1) next = load_item(1);
+    pdl_wait();
 
     const int stage_items = NB * 8 * np * 16;            // (row b, piece, lane t, word j), j fastest
     for (int i = threadIdx.x; i < stage_items; i += blockDim.x) {
         const int j = i & 3, tt = (i >> 2) & 3, rest = i >> 4;
         const int p = rest % np, b = rest / np;
-        const uint4 v = *reinterpret_cast<const uint4*>(h + (size_t)b * ldh + (size_t)(p0 + p) * BG_PIECE_COLS
-                                                        + 32 * tt + 8 * j);
+        const uint4 v = __ldcg(reinterpret_cast<const uint4*>(h + (size_t)b * ldh + (size_t)(p0 + p) * BG_PIECE_COLS
+                                                              + 32 * tt + 8 * j));
         uint4 f;
         f.x = __byte_perm(v.x, v.z, 0x5410);    // columns 0, 4: k-step 2j, b0
         f.y = __byte_perm(v.x, v.z, 0x7632);    // columns 1, 5: k-step 2j, b1
@@ -170,7 +176,7 @@ template __global__ void batch_gemv_q4<4>(const unsigned char*, const __half*, i
                                           int, float*);
 
 // Sum of the K slices' partial sums of element i of row b (a linear's [slices][rows_pad][n] parts).
-TI_DEVICE float slice_sum(const float* __restrict__ parts, int n_slices, size_t slice_stride, size_t index) {
+TI_DEVICE float slice_sum(const float* parts, int n_slices, size_t slice_stride, size_t index) {
     float total = 0.f;
     for (int s = 0; s < n_slices; ++s) total += parts[s * slice_stride + index];
     return total;
@@ -179,10 +185,12 @@ TI_DEVICE float slice_sum(const float* __restrict__ parts, int n_slices, size_t 
 // Row b (grid (B), block 256): x[b] += the slices of parts (n_slices = 0: none), then
 // out[b] = rms_norm(x[b]) * w as fp16. parts: [n_slices][slice_stride / dim][dim].
 extern "C" __global__ void __launch_bounds__(256) batch_rmsnorm(
-    float* __restrict__ x, const float* __restrict__ parts, int n_slices, long long slice_stride,
-    const float* __restrict__ w, int dim, float eps, __half* __restrict__ out, int ldo)
+    float* x, const float* parts, int n_slices, long long slice_stride,
+    const float* __restrict__ w, int dim, float eps, __half* out, int ldo)
 {
     __shared__ float scratch[32];
+    pdl_launch_dependents();
+    pdl_wait();
     const int b = blockIdx.x;
     float* row = x + (size_t)b * dim;
     float ss = 0.f;
@@ -203,11 +211,13 @@ extern "C" __global__ void __launch_bounds__(256) batch_rmsnorm(
 // (rotate-half, tables [ctx][hd/2]) and times q_scale into q_out [B][n_heads][hd] float32; k
 // rotated and v into the row's slot of this layer's cache [slots][ctx][n_kv][hd] at its position.
 extern "C" __global__ void __launch_bounds__(256) batch_rope_store(
-    const float* __restrict__ parts, int n_slices, long long slice_stride, const float* __restrict__ bias,
+    const float* parts, int n_slices, long long slice_stride, const float* __restrict__ bias,
     const int* __restrict__ positions, const int* __restrict__ slots, int n_heads, int n_kv, int hd,
     const float* __restrict__ rope_cos, const float* __restrict__ rope_sin, float q_scale,
-    float* __restrict__ q_out, __half* __restrict__ k_cache, __half* __restrict__ v_cache, long long slot_stride)
+    float* q_out, __half* k_cache, __half* v_cache, long long slot_stride)
 {
+    pdl_launch_dependents();
+    pdl_wait();
     const int b = blockIdx.x, pos = positions[b], half_hd = hd >> 1;
     const int width = (n_heads + 2 * n_kv) * hd;
     auto value = [&](int i) {
@@ -252,12 +262,14 @@ TI_DEVICE float block_max(float v, float* scratch) {
 // p . V threads (d, part) sum the keys of their part, so each warp reads whole V rows.
 // Dynamic shared memory: floats hd (q) + n_keys_max (scores) + 128 (p . V parts).
 extern "C" __global__ void __launch_bounds__(128) batch_attention(
-    const float* __restrict__ q, const __half* __restrict__ k_cache, const __half* __restrict__ v_cache,
+    const float* q, const __half* k_cache, const __half* v_cache,
     long long slot_stride, const int* __restrict__ positions, const int* __restrict__ slots,
-    int n_heads, int n_kv, int hd, int window, __half* __restrict__ out, int ldo)
+    int n_heads, int n_kv, int hd, int window, __half* out, int ldo)
 {
     extern __shared__ __align__(16) float ba_smem[];
     __shared__ float scratch[32];
+    pdl_launch_dependents();
+    pdl_wait();
     const int head = blockIdx.x, b = blockIdx.y;
     const int kvh = head / (n_heads / n_kv);
     const int pos = positions[b];
@@ -314,9 +326,10 @@ extern "C" __global__ void __launch_bounds__(128) batch_attention(
 // out[b][c] = silu(gate) * up as fp16, from the gate/up linear's slices (rows: ffn gate then ffn up).
 // Grid-stride over B * ffn.
 extern "C" __global__ void __launch_bounds__(256) batch_swiglu(
-    const float* __restrict__ parts, int n_slices, long long slice_stride, int rows_b, int ffn,
-    __half* __restrict__ out, int ldo)
+    const float* parts, int n_slices, long long slice_stride, int rows_b, int ffn, __half* out, int ldo)
 {
+    pdl_launch_dependents();
+    pdl_wait();
     const size_t n = (size_t)rows_b * ffn;
     for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
         const size_t b = i / ffn, c = i % ffn;
@@ -329,11 +342,12 @@ extern "C" __global__ void __launch_bounds__(256) batch_swiglu(
 // Row b (grid (B), block 1024): logits[b] = the head's slices' sum, best[b] = its argmax (the lowest
 // id among equal maxima, as np.argmax; NaN never wins).
 extern "C" __global__ void __launch_bounds__(1024) batch_logits(
-    const float* __restrict__ parts, int n_slices, long long slice_stride, int vocab,
-    float* __restrict__ logits, int* __restrict__ best)
+    const float* parts, int n_slices, long long slice_stride, int vocab, float* logits, int* best)
 {
     __shared__ float warp_value[32];
     __shared__ int warp_id[32];
+    pdl_launch_dependents();
+    pdl_wait();
     const int b = blockIdx.x;
     float value = -TI_INF;
     int id = 0x7fffffff;

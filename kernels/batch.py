@@ -2,7 +2,8 @@
 kernels' NumPy references (what each computes, rounding to fp16 at the same points).
 
 Every launch is a build.Launch with its scalars in their NumPy types, built once per batch size
-and captured in that size's CUDA graph (runtime/cuda_batch.py).
+and captured in that size's CUDA graph (runtime/cuda_batch.py); every kernel waits for the one
+before it (pdl_wait), so each may be launched early (kernels/pdl.py).
 """
 
 from __future__ import annotations
@@ -92,7 +93,7 @@ def make_gemv(mod, plan: GemvPlan, weight_ptr: int, scale_ptr: int, group: int, 
     return Launch(name, kernel, plan.grid, (GEMV_WARPS * 32,), (
         np.uint64(weight_ptr), np.uint64(scale_ptr), np.int32(plan.rows), np.int32(plan.kpad), np.int32(group),
         h, np.int32(ldh), np.int32(plan.pieces_per_slice), np.int32(plan.tiles_per_block), parts),
-        shared_mem=plan.shared_bytes, bytes_read=plan.rows * plan.kpad // 2)
+        shared_mem=plan.shared_bytes, bytes_read=plan.rows * plan.kpad // 2, waits=True)
 
 
 def slice_args(parts, plan: GemvPlan | None):
@@ -105,7 +106,7 @@ def slice_args(parts, plan: GemvPlan | None):
 def make_rmsnorm(mod, n_rows: int, x, parts, plan, weight, dim: int, eps: float, out, ldo: int) -> Launch:
     p, s, stride = slice_args(parts, plan)
     return Launch("batch_rmsnorm", mod.get_function("batch_rmsnorm"), (n_rows,), (256,), (
-        x, p, s, stride, weight, np.int32(dim), np.float32(eps), out, np.int32(ldo)))
+        x, p, s, stride, weight, np.int32(dim), np.float32(eps), out, np.int32(ldo)), waits=True)
 
 
 def make_rope_store(mod, n_rows: int, parts, plan, bias, positions, slots, n_heads: int, n_kv: int, hd: int,
@@ -114,7 +115,7 @@ def make_rope_store(mod, n_rows: int, parts, plan, bias, positions, slots, n_hea
     return Launch("batch_rope_store", mod.get_function("batch_rope_store"), (n_rows,), (256,), (
         p, s, stride, bias if bias is not None else np.uint64(0), positions, slots, np.int32(n_heads),
         np.int32(n_kv), np.int32(hd), rope_cos, rope_sin, np.float32(1.0 / math.sqrt(hd)), q_out, k_cache, v_cache,
-        np.int64(slot_stride)))
+        np.int64(slot_stride)), waits=True)
 
 
 def attention_shared_bytes(head_dim: int, max_keys: int) -> int:
@@ -125,20 +126,21 @@ def make_attention(mod, n_rows: int, q, k_cache, v_cache, slot_stride: int, posi
                    n_kv: int, hd: int, window: int | None, max_keys: int, out, ldo: int) -> Launch:
     return Launch("batch_attention", mod.get_function("batch_attention"), (n_heads, n_rows), (ATTENTION_THREADS,), (
         q, k_cache, v_cache, np.int64(slot_stride), positions, slots, np.int32(n_heads), np.int32(n_kv),
-        np.int32(hd), np.int32(window or 0), out, np.int32(ldo)), shared_mem=attention_shared_bytes(hd, max_keys))
+        np.int32(hd), np.int32(window or 0), out, np.int32(ldo)), shared_mem=attention_shared_bytes(hd, max_keys),
+        waits=True)
 
 
 def make_swiglu(mod, n_rows: int, parts, plan, ffn: int, out, ldo: int) -> Launch:
     p, s, stride = slice_args(parts, plan)
     blocks = max(1, min(4096, -(-n_rows * ffn // 256)))
     return Launch("batch_swiglu", mod.get_function("batch_swiglu"), (blocks,), (256,), (
-        p, s, stride, np.int32(n_rows), np.int32(ffn), out, np.int32(ldo)))
+        p, s, stride, np.int32(n_rows), np.int32(ffn), out, np.int32(ldo)), waits=True)
 
 
 def make_logits(mod, n_rows: int, parts, plan, vocab: int, logits, best) -> Launch:
     p, s, stride = slice_args(parts, plan)
     return Launch("batch_logits", mod.get_function("batch_logits"), (n_rows,), (1024,), (
-        p, s, stride, np.int32(vocab), logits, best))
+        p, s, stride, np.int32(vocab), logits, best), waits=True)
 
 
 # ----------------------------------------------------------------------------------- references

@@ -134,6 +134,7 @@ class BatchEngine:
         self.dim, self.n_layers, self.vocab = c["dim"], c["n_layers"], c["vocab_size"]
         self.n_heads, self.n_kv, self.hd, self.ffn = c["n_heads"], c["n_kv_heads"], c["head_dim"], c["ffn_dim"]
         self.stream = backend.stream
+        self.pdl = bool(getattr(backend, "pdl", False))   # early launches as the batch-1 step (TINYINFER_PDL=0: off)
         self.keep_logits = keep_logits       # step() keeps every row's logits in last_logits (tests)
         self.last_logits: dict[int, np.ndarray] = {}
         self.plans = {p: self.gemv_plans(p) for p in sorted({batch_k.padded_rows(b) for b in BUCKETS})}
@@ -269,7 +270,7 @@ class BatchEngine:
             return
         launches = self.build_step(n)
         for launch in launches:
-            launch(self.stream)
+            launch(self.stream, early=self.pdl)
         self.graphs[n] = self.capture(launches)
 
     def profile_step(self, n: int) -> dict[str, float]:
@@ -280,7 +281,7 @@ class BatchEngine:
         events = [cp.cuda.Event() for _ in range(len(launches) + 1)]
         events[0].record(self.stream)
         for launch, event in zip(launches, events[1:]):
-            launch(self.stream)
+            launch(self.stream)             # (without early launch: each kernel's own time)
             event.record(self.stream)
         self.stream.synchronize()
         totals: dict[str, float] = {}
@@ -294,7 +295,7 @@ class BatchEngine:
         stream.begin_capture()
         try:
             for launch in launches:
-                launch(stream)
+                launch(stream, early=self.pdl)
         except BaseException:
             try:
                 stream.end_capture()

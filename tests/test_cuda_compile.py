@@ -261,7 +261,7 @@ def nvrtc_and_headers():
 @pytest.mark.parametrize("name", [n for n in SOURCES if n.endswith(".cu")])
 def test_kernel_compiles_with_nvrtc(name, cc):
     """What CuPy does at run time: NVRTC, our options, templates through name expressions."""
-    from tinyinfer.kernels import build
+    from tinyinfer.kernels import batch, build
     from tinyinfer.kernels import mlp
     from tinyinfer.kernels.gemv import STEP_DEPTHS, WIDE_WARPS, GemvConfig, GemvShape, name_expression
 
@@ -281,6 +281,7 @@ def test_kernel_compiles_with_nvrtc(name, cc):
         "mlp.cu": [mlp.name_expression(mlp.MlpShape(GemvShape(e, g, 512, 256, 256, "rmsnorm", "swiglu"),
                                                     GemvShape(e, g, 256, 256, 256, "plain", "add")), config)
                    for e, g in [("q4", 64), ("q8", 32), ("f16", 0)] for config in mlp.CANDIDATES],
+        "batch.cu": [f"batch_gemv_q4<{nb}>" for nb in batch.GEMV_NB],
     }.get(name, [])
     program = nvrtc.createProgram(build.expanded_source(name), name, [], [])
     for expression in expressions:
