@@ -94,7 +94,7 @@ def bench_shape(shape: str, streams: list[int], prompt_len: int, n_tokens: int, 
         peak = read_bandwidth_gbs(backend)
         engine = BatchEngine(backend, slots=max(streams), max_context=context)
         for b in sorted({min(k for k in BUCKETS if k >= n) for n in streams}):   # graphs captured before timing
-            run_streams(engine, prompts[:b], 4)
+            run_streams(engine, prompts[:b], min(n_tokens, 32))       # (long enough for all b to join)
         rows = []
         for n in streams:
             run = run_streams(engine, prompts[:n], n_tokens)
