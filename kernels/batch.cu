@@ -256,70 +256,119 @@ TI_DEVICE float block_max(float v, float* scratch) {
     return m;
 }
 
-// One (query head, row) per block (grid (n_heads, B), block 128): softmax(q K^T) V over the row's
-// slot, cache rows first_key(pos, window)..pos, in float32 from the fp16 cache. Thread i scores keys
-// i, i + 128, ... (its own 16-byte loads of each key row), the scores stay in shared memory, and for
-// p . V threads (d, part) sum the keys of their part, so each warp reads whole V rows.
-// Dynamic shared memory: floats hd (q) + n_keys_max (scores) + 128 (p . V parts).
+#define BA_MAX_GROUP 8     // query heads per KV head that batch_attention handles in one block
+
+// One (KV head, row) per block (grid (n_kv, B), block 128): for each of the KV head's `group` query
+// heads, softmax(q K^T) V over the row's slot, cache rows first_key(pos, window)..pos, in float32
+// from the fp16 cache, so each K and V row is read once for the whole group. Thread i scores keys
+// i, i + 128, ... (its own 16-byte loads of each key row, one sum per query head), the scores stay
+// in shared memory, and for p . V threads (d, part) sum the keys of their part, each V value used
+// for every head of the group. Dynamic shared memory: floats group * hd (q) + group * n_keys_max
+// (scores) + group * 128 (p . V parts).
 extern "C" __global__ void __launch_bounds__(128) batch_attention(
     const float* q, const __half* k_cache, const __half* v_cache,
     long long slot_stride, const int* __restrict__ positions, const int* __restrict__ slots,
-    int n_heads, int n_kv, int hd, int window, __half* out, int ldo)
+    int n_heads, int n_kv, int hd, int window, int max_keys, __half* out, int ldo)
 {
     extern __shared__ __align__(16) float ba_smem[];
-    __shared__ float scratch[32];
+    __shared__ float reduce[BA_MAX_GROUP][4];          // per head, per warp
     pdl_launch_dependents();
     pdl_wait();
-    const int head = blockIdx.x, b = blockIdx.y;
-    const int kvh = head / (n_heads / n_kv);
+    const int kvh = blockIdx.x, b = blockIdx.y;
+    const int group = n_heads / n_kv;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int pos = positions[b];
     const int first = window > 0 ? max(0, pos - window + 1) : 0;
     const int n_keys = pos - first + 1;
-    float* qs = ba_smem;
-    float* scores = qs + hd;
-    float* pv = scores + n_keys;          // [128]
-    for (int d = threadIdx.x; d < hd; d += blockDim.x) qs[d] = q[((size_t)b * n_heads + head) * hd + d];
+    float* qs = ba_smem;                              // [group][hd]
+    float* scores = qs + group * hd;                  // [group][max_keys]
+    float* pv = scores + group * max_keys;            // [group][128]
+    for (int i = threadIdx.x; i < group * hd; i += blockDim.x)
+        qs[i] = q[((size_t)b * n_heads + kvh * group) * hd + i];
     __syncthreads();
 
     const size_t row_stride = (size_t)n_kv * hd;
-    const __half* k_rows = k_cache + (size_t)slots[b] * slot_stride + (size_t)first * row_stride + (size_t)kvh * hd;
-    const __half* v_rows = v_cache + (size_t)slots[b] * slot_stride + (size_t)first * row_stride + (size_t)kvh * hd;
-    float best = -TI_INF;
+    const size_t base = (size_t)slots[b] * slot_stride + (size_t)first * row_stride + (size_t)kvh * hd;
+    const __half* k_rows = k_cache + base;
+    const __half* v_rows = v_cache + base;
+    float best[BA_MAX_GROUP];
+#pragma unroll
+    for (int g = 0; g < BA_MAX_GROUP; ++g) best[g] = -TI_INF;
     for (int i = threadIdx.x; i < n_keys; i += blockDim.x) {
         const __half* key = k_rows + (size_t)i * row_stride;
-        float s = 0.f;
+        float s[BA_MAX_GROUP];
+#pragma unroll
+        for (int g = 0; g < BA_MAX_GROUP; ++g) s[g] = 0.f;
         for (int d = 0; d < hd; d += 8) {
             const uint4 raw = *reinterpret_cast<const uint4*>(key + d);
             const u32 words[4] = {raw.x, raw.y, raw.z, raw.w};
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&words[e]));
-                s += qs[d + 2 * e] * f.x + qs[d + 2 * e + 1] * f.y;
+#pragma unroll
+                for (int g = 0; g < BA_MAX_GROUP; ++g)
+                    if (g < group) s[g] += qs[g * hd + d + 2 * e] * f.x + qs[g * hd + d + 2 * e + 1] * f.y;
             }
         }
-        scores[i] = s;
-        best = fmaxf(best, s);
+#pragma unroll
+        for (int g = 0; g < BA_MAX_GROUP; ++g)
+            if (g < group) {
+                scores[g * max_keys + i] = s[g];
+                best[g] = fmaxf(best[g], s[g]);
+            }
     }
-    best = block_max(best, scratch);
-    float sum = 0.f;
+    // Per head: the block's max, then exp and the block's sum (each thread its own keys).
+#pragma unroll
+    for (int g = 0; g < BA_MAX_GROUP; ++g) {
+        const float m = warp_max(best[g]);
+        if (lane == 0 && g < group) reduce[g][warp] = m;
+    }
+    __syncthreads();
+    float sum[BA_MAX_GROUP];
+#pragma unroll
+    for (int g = 0; g < BA_MAX_GROUP; ++g) {
+        best[g] = fmaxf(fmaxf(reduce[g][0], reduce[g][1]), fmaxf(reduce[g][2], reduce[g][3]));
+        sum[g] = 0.f;
+    }
+    __syncthreads();                                  // reduce[] is reused for the sums
     for (int i = threadIdx.x; i < n_keys; i += blockDim.x) {
-        const float p = __expf(scores[i] - best);
-        scores[i] = p;
-        sum += p;
+#pragma unroll
+        for (int g = 0; g < BA_MAX_GROUP; ++g)
+            if (g < group) {
+                const float p = __expf(scores[g * max_keys + i] - best[g]);
+                scores[g * max_keys + i] = p;
+                sum[g] += p;
+            }
     }
-    const float total = block_sum(sum, scratch);      // (its barriers also publish the probabilities)
+#pragma unroll
+    for (int g = 0; g < BA_MAX_GROUP; ++g) {
+        const float t = warp_sum(sum[g]);
+        if (lane == 0 && g < group) reduce[g][warp] = t;
+    }
+    __syncthreads();                                  // (also publishes the probabilities)
 
     const int n_parts = blockDim.x / hd;              // hd <= 128: at least one
     const int d = threadIdx.x % hd, part = threadIdx.x / hd;
-    float acc = 0.f;
+    float acc[BA_MAX_GROUP];
+#pragma unroll
+    for (int g = 0; g < BA_MAX_GROUP; ++g) acc[g] = 0.f;
     if (part < n_parts)
-        for (int i = part; i < n_keys; i += n_parts) acc += scores[i] * __half2float(v_rows[(size_t)i * row_stride + d]);
-    pv[threadIdx.x] = acc;
+        for (int i = part; i < n_keys; i += n_parts) {
+            const float v = __half2float(v_rows[(size_t)i * row_stride + d]);
+#pragma unroll
+            for (int g = 0; g < BA_MAX_GROUP; ++g)
+                if (g < group) acc[g] += scores[g * max_keys + i] * v;
+        }
+#pragma unroll
+    for (int g = 0; g < BA_MAX_GROUP; ++g)
+        if (g < group) pv[g * blockDim.x + threadIdx.x] = acc[g];
     __syncthreads();
-    if (threadIdx.x < hd) {
+    for (int i = threadIdx.x; i < group * hd; i += blockDim.x) {
+        const int g = i / hd, dd = i % hd;
+        const float total = reduce[g][0] + reduce[g][1] + reduce[g][2] + reduce[g][3];
         float o = 0.f;
-        for (int p = 0; p < n_parts; ++p) o += pv[p * hd + threadIdx.x];
-        out[(size_t)b * ldo + head * hd + threadIdx.x] = __float2half_rn(o / total);
+        for (int p = 0; p < n_parts; ++p) o += pv[g * blockDim.x + p * hd + dd];
+        out[(size_t)b * ldo + (kvh * group + g) * hd + dd] = __float2half_rn(o / total);
     }
 }
 

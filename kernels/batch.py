@@ -22,6 +22,7 @@ GEMV_NB = (1, 2, 4)          # batch_gemv_q4<NB> instances: 8, 16 or 32 rows
 STAGE_BYTES = 64 << 10       # shared memory for a block's staged h
 BLOCKS_PER_SM = 2            # the GEMV grid aims at this many blocks per SM
 ATTENTION_THREADS = 128
+MAX_GROUP = 8                # BA_MAX_GROUP: query heads per KV head
 MAX_SHARED_BYTES = 227 << 10  # a block's opt-in shared memory on Hopper, where the device does not say
 MAX_ROWS = 32
 
@@ -118,16 +119,21 @@ def make_rope_store(mod, n_rows: int, parts, plan, bias, positions, slots, n_hea
         np.int64(slot_stride)), waits=True)
 
 
-def attention_shared_bytes(head_dim: int, max_keys: int) -> int:
-    return 4 * (head_dim + max_keys + ATTENTION_THREADS)
+def attention_shared_bytes(head_dim: int, max_keys: int, group: int) -> int:
+    """q, the scores and the p . V parts of one block: every query head of a KV head's group."""
+    return 4 * group * (head_dim + max_keys + ATTENTION_THREADS)
+
+
+def attention_supports(n_heads: int, n_kv: int, head_dim: int) -> bool:
+    return n_heads % n_kv == 0 and n_heads // n_kv <= MAX_GROUP and head_dim % 8 == 0 and head_dim <= ATTENTION_THREADS
 
 
 def make_attention(mod, n_rows: int, q, k_cache, v_cache, slot_stride: int, positions, slots, n_heads: int,
                    n_kv: int, hd: int, window: int | None, max_keys: int, out, ldo: int) -> Launch:
-    return Launch("batch_attention", mod.get_function("batch_attention"), (n_heads, n_rows), (ATTENTION_THREADS,), (
+    return Launch("batch_attention", mod.get_function("batch_attention"), (n_kv, n_rows), (ATTENTION_THREADS,), (
         q, k_cache, v_cache, np.int64(slot_stride), positions, slots, np.int32(n_heads), np.int32(n_kv),
-        np.int32(hd), np.int32(window or 0), out, np.int32(ldo)), shared_mem=attention_shared_bytes(hd, max_keys),
-        waits=True)
+        np.int32(hd), np.int32(window or 0), np.int32(max_keys), out, np.int32(ldo)),
+        shared_mem=attention_shared_bytes(hd, max_keys, n_heads // n_kv), waits=True)
 
 
 def make_swiglu(mod, n_rows: int, parts, plan, ffn: int, out, ldo: int) -> Launch:

@@ -101,7 +101,8 @@ class SlotCache:
 
 
 def check_model(tinf) -> None:
-    """The batched GEMV reads q4 linears in 8-row blocks; prefill needs a head size it compiles."""
+    """The batched GEMV reads q4 linears in 8-row blocks, the attention groups of up to 8 heads of up
+    to 128; prefill needs a head size it compiles."""
     for name in cuda_prefill.linear_names(tinf.config):
         info = tinf.info(name)
         shape = gemv_k.shape_of(info)
@@ -109,6 +110,11 @@ def check_model(tinf) -> None:
             raise DeviceError(f"{name} is {info.encoding} of shape {tuple(info.shape)}, which batched decoding does "
                               "not read (q4 with rows a multiple of 8 and rows of 128 columns); convert the model "
                               "with --quant q4 or decode one sequence at a time.")
+    c = tinf.config
+    if not batch_k.attention_supports(c["n_heads"], c["n_kv_heads"], c["head_dim"]):
+        raise DeviceError(f"batched attention takes up to {batch_k.MAX_GROUP} query heads per KV head and head_dim "
+                          f"a multiple of 8 up to 128; this model has {c['n_heads']} / {c['n_kv_heads']} heads of "
+                          f"{c['head_dim']}, so decode one sequence at a time.")
     if not cuda_prefill.supported(tinf.config):
         raise DeviceError(f"batched decoding prefills with head_dim in {cuda_prefill.prefill_k.HEAD_DIMS}; this model "
                           f"has {tinf.config['head_dim']}, so decode one sequence at a time.")
@@ -124,13 +130,7 @@ class BatchEngine:
         self.tinf = backend.tinf
         c = self.config = backend.config
         check_model(self.tinf)
-        self.max_context = min(max_context or backend.max_context, backend.max_context)
-        props = self.cp.cuda.runtime.getDeviceProperties(self.cp.cuda.Device().id)
-        shared = int(props.get("sharedMemPerBlockOptin", batch_k.MAX_SHARED_BYTES))
-        if batch_k.attention_shared_bytes(c["head_dim"], self.max_context) > shared:
-            most = shared // 4 - c["head_dim"] - batch_k.ATTENTION_THREADS
-            raise DeviceError(f"batched attention holds a row's scores in shared memory, up to {most} positions; "
-                              f"load the batch with max_context of at most {most}.")
+        self.max_context = self.fit_attention(max_context)
         self.dim, self.n_layers, self.vocab = c["dim"], c["n_layers"], c["vocab_size"]
         self.n_heads, self.n_kv, self.hd, self.ffn = c["n_heads"], c["n_kv_heads"], c["head_dim"], c["ffn_dim"]
         self.stream = backend.stream
@@ -150,6 +150,22 @@ class BatchEngine:
         self.step_times: list[float] = []
 
     # ------------------------------------------------------------------------- memory
+
+    def fit_attention(self, max_context: int | None) -> int:
+        """The positions per slot: max_context (at most the backend's), or by default as many as the
+        attention's scores hold in shared memory; refused where a given max_context does not fit."""
+        c, cp = self.config, self.cp
+        props = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)
+        shared = int(props.get("sharedMemPerBlockOptin", batch_k.MAX_SHARED_BYTES))
+        group = c["n_heads"] // c["n_kv_heads"]
+        most = shared // (4 * group) - c["head_dim"] - batch_k.ATTENTION_THREADS
+        wanted = min(max_context or self.backend.max_context, self.backend.max_context)
+        if max_context is None:
+            return min(wanted, most)
+        if wanted > most:
+            raise DeviceError(f"batched attention holds a row's scores in shared memory, up to {most} positions "
+                              f"for this model; load the batch with max_context of at most {most}.")
+        return wanted
 
     def gemv_plans(self, padded: int) -> dict:
         """role -> GemvPlan for a step of `padded` GEMV rows; "output" for the head."""

@@ -91,10 +91,12 @@ def test_gemv_matches_its_reference(cupy_gpu, mod, rows, cols, group, padded, pl
     assert_rows_close(got, expected, 1e-4, f"gemv {rows}x{cols} g{group} rows {padded} {plan}")
 
 
-@pytest.mark.parametrize("head_dim, n_heads, n_kv", [(64, 32, 4), (128, 32, 32), (64, 12, 12)])
+@pytest.mark.parametrize("head_dim, n_heads, n_kv", [(64, 32, 4), (128, 32, 32), (64, 12, 12), (96, 12, 6),
+                                                     (128, 32, 4)])
 @pytest.mark.parametrize("window", [None, 9])
 def test_attention_matches_its_reference(cupy_gpu, mod, head_dim, n_heads, n_kv, window):
-    """Rows at different positions (0, short, long) in different slots, one slot shared by no other row."""
+    """Rows at different positions (0, short, long) in different slots, two rows in one slot; groups of
+    1, 2 and 8 query heads per KV head."""
     cp = cupy_gpu
     rng = np.random.default_rng(head_dim + n_heads + (window or 0))
     slots, ctx = 4, 300
