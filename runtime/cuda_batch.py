@@ -451,7 +451,7 @@ class BatchEngine:
 def generate_batch_ids(engine: BatchEngine, prompts, params, max_new_tokens, seeds, stop_ids=()) -> list[list[int]]:
     """Every prompt's generated ids (stop id included), through the engine: prompts enter as slots free up."""
     outputs = [[] for _ in prompts]
-    queue = list(range(len(prompts)))
+    queue = [i for i in range(len(prompts)) if max_new_tokens[i] > 0]
     owner: dict[int, int] = {}
     while queue or engine.has_work():
         while queue and engine.free_slots():

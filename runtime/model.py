@@ -225,6 +225,8 @@ class Model:
         generate() would. Prompt i samples with seed + i (seed None: unseeded); each stops at
         max_tokens or an end-of-sequence id. Every prompt is checked before any work."""
         prompts = list(prompts)
+        if not prompts:
+            return []
         ids = [self.prompt_ids(p, chat, system, **template_kwargs) for p in prompts]
         if not all(ids):
             raise ValueError("a prompt is empty and the model has no BOS token; pass some text.")
@@ -232,7 +234,8 @@ class Model:
                                       repetition_penalty=repetition_penalty)
         budgets = [self.new_token_budget(len(i), max_tokens) for i in ids]
         seeds = [None if seed is None else seed + i for i in range(len(ids))]
-        engine = self.batch_engine(len(ids) if parallel is None else parallel, max(len(i) + n for i, n in zip(ids, budgets)))
+        context = max(len(i) + n for i, n in zip(ids, budgets))
+        engine = self._batch_engine(len(ids) if parallel is None else parallel, context)
         if engine is None:
             return ["".join(self._stream(i, params, n, np.random.default_rng(s), StopStrings(None)))
                     for i, n, s in zip(ids, budgets, seeds)]
@@ -249,7 +252,7 @@ class Model:
             texts.append("".join(detok.step(t) for t in kept) + detok.flush())
         return texts
 
-    def batch_engine(self, parallel: int, context: int):
+    def _batch_engine(self, parallel: int, context: int):
         """A BatchEngine over this model's GPU backend, or None where batched decoding does not apply
         (the CPU backend, or a model its kernels do not read: DeviceError from cuda_batch.check_model)."""
         if not hasattr(self.backend, "stream") or parallel < 2:

@@ -160,6 +160,10 @@ PRE_WAIT_LOADS = {
     "mlp.cu": {"LDG.E.NA.128.CONSTANT": None, "LDG.E.U16.CONSTANT": None},
     "attention.cu": {"LDG.E.CONSTANT": 1, "LDGSTS.E.BYPASS.128": None, "LDG.E.128.CONSTANT": None},
     "sampling.cu": {},
+    # The batched step (batch.cu): the GEMV's weights and scales; elsewhere only 32-bit ld.global.nc of
+    # norm weights, RoPE tables, biases and the row table, which the host writes before the graph (the
+    # activations' pointers carry no __restrict__, so they are never read through ld.global.nc).
+    "batch.cu": {"LDG.E.NA.128.CONSTANT": None, "LDG.E.U16.CONSTANT": None, "LDG.E.CONSTANT": None},
 }
 STORE_BIAS = 5      # gemv.cu OUT_STORE_BIAS
 
