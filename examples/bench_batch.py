@@ -103,14 +103,20 @@ def bench_shape(shape: str, streams: list[int], prompt_len: int, n_tokens: int, 
             moved = step_bytes(engine, n, prompt_len + n_tokens / 2)
             est_ms = {k: round(v / (peak * 1e9) * 1e3, 3) for k, v in moved.items()}
             profile = {k: round(v, 3) for k, v in sorted(run["profile_ms"].items(), key=lambda kv: -kv[1])}
+            kinds = {"GEMVs (weights)": sum(v for k, v in profile.items() if k.startswith("gemv")),
+                     "attention (KV rows)": profile.get("batch_attention", 0.0)}
+            kinds["other kernels"] = sum(profile.values()) - sum(kinds.values())
+            kinds["host and launch gaps"] = max(0.0, step_ms - sum(profile.values()))
             row = {"streams": n, "aggregate_tok_s": round(n * len(steps) / sum(steps), 1),
                    "speedup_vs_batch1": round(n * len(steps) / sum(steps) / single, 2),
                    "itl_p50_ms": round(step_ms, 3), "itl_p50_vs_batch1_step": round(step_ms / (1e3 / single), 2),
                    "end_to_end_tok_s": round(n * n_tokens / run["total_s"], 1),
-                   "bytes_ms_at_peak": est_ms, "kernels_ms": profile}
+                   "bytes_ms_at_peak": est_ms, "kernels_ms": profile,
+                   "step_ms_by_kind": {k: round(v, 3) for k, v in kinds.items()}, "bound": max(kinds, key=kinds.get)}
             rows.append(row)
             print(f"{shape} B={n:2d}: {row['aggregate_tok_s']:9.1f} tok/s ({row['speedup_vs_batch1']:.2f}x batch-1), "
-                  f"ITL p50 {step_ms:.2f} ms, bytes at {peak:.0f} GB/s: {est_ms}, kernels: {profile}", file=sys.stderr)
+                  f"ITL p50 {step_ms:.2f} ms, by kind {row['step_ms_by_kind']}, bytes at {peak:.0f} GB/s: {est_ms}, "
+                  f"kernels: {profile}", file=sys.stderr)
         engine.close()
         return {"shape": shape, "gpu": backend.gpu_name, "read_gbs": round(peak, 1), "batch1_tok_s": round(single, 1),
                 "batch1_step_ms": round(1e3 / single, 3), "prompt": prompt_len, "new_tokens": n_tokens, "rows": rows}
@@ -133,11 +139,15 @@ def main(argv=None) -> int:
     for result in results:
         print(f"\n{result['shape']} q4 on {result['gpu']}: batch-1 {result['batch1_tok_s']} tok/s "
               f"({result['batch1_step_ms']} ms per token), read bandwidth {result['read_gbs']} GB/s")
-        print("| streams | aggregate tok/s | x batch-1 | ITL p50 ms | x batch-1 step | end to end tok/s |")
-        print("|---|---|---|---|---|---|")
+        print("| streams | aggregate tok/s | x batch-1 | ITL p50 ms | x batch-1 step | end to end tok/s | "
+              "weights / KV / parts at peak, ms | largest share of the step |")
+        print("|---|---|---|---|---|---|---|---|")
         for row in result["rows"]:
+            b = row["bytes_ms_at_peak"]
+            share = f"{row['bound']} {row['step_ms_by_kind'][row['bound']]:.2f} ms"
             print(f"| {row['streams']} | {row['aggregate_tok_s']:,.0f} | {row['speedup_vs_batch1']} | {row['itl_p50_ms']} | "
-                  f"{row['itl_p50_vs_batch1_step']} | {row['end_to_end_tok_s']:,.0f} |")
+                  f"{row['itl_p50_vs_batch1_step']} | {row['end_to_end_tok_s']:,.0f} | "
+                  f"{b['weights']} / {b['kv']} / {b['parts']} | {share} |")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
     return 0
