@@ -46,6 +46,7 @@ MAX_SLOTS = BUCKETS[-1]
 PREFILL_CHUNK = 512                # prompt tokens prefilled between two decode steps
 MARGIN_BYTES = 256 << 20
 H2D, D2H = 1, 2
+PROFILE_HOLD_NS = 30_000_000       # profile_step: long enough to queue a 7B step's ~300 launches
 ROLES = ("wqkv", "wo", "w_gate_up", "w_down")
 GREEDY = SamplingParams()
 
@@ -291,10 +292,12 @@ class BatchEngine:
 
     def profile_step(self, n: int) -> dict[str, float]:
         """GPU milliseconds per kernel kind of one step of bucket n over the current rows, each launch
-        between two events (eager, so a little slower than the graph; the step's own writes again)."""
+        between two events, queued behind a wait so that they run back to back (without early launch,
+        so a little slower than the graph; the step's own writes again)."""
         cp = self.cp
         launches = self.build_step(n)
         events = [cp.cuda.Event() for _ in range(len(launches) + 1)]
+        self.backend.wait_launch(PROFILE_HOLD_NS)(self.stream)   # the GPU waits while the host queues them all
         events[0].record(self.stream)
         for launch, event in zip(launches, events[1:]):
             launch(self.stream)             # (without early launch: each kernel's own time)
