@@ -245,17 +245,6 @@ extern "C" __global__ void __launch_bounds__(256) batch_rope_store(
         v_cache[cache_row + i] = __float2half_rn(value(v0 + i));
 }
 
-// Block max over `scratch` (at least 32 floats); every thread gets it.
-TI_DEVICE float block_max(float v, float* scratch) {
-    __syncthreads();
-    v = warp_max(v);
-    if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = v;
-    __syncthreads();
-    float m = -TI_INF;
-    for (int i = 0; i < (int)(blockDim.x >> 5); ++i) m = fmaxf(m, scratch[i]);
-    return m;
-}
-
 #define BA_MAX_GROUP 8     // query heads per KV head that batch_attention handles in one block
 
 // One (KV head, row) per block (grid (n_kv, B), block 128): for each of the KV head's `group` query
