@@ -66,7 +66,8 @@ def step_bytes(engine, n_streams: int, mean_position: float) -> dict:
     from tinyinfer.kernels import batch as batch_k
 
     tinf = engine.tinf
-    names = ["output"] + [f"layers.{i}.{r}" for i in range(engine.n_layers) for r in ("wqkv", "wo", "w_gate_up", "w_down")]
+    roles = ("wqkv", "wo", "w_gate_up", "w_down")
+    names = ["output"] + [f"layers.{i}.{r}" for i in range(engine.n_layers) for r in roles]
     weights = sum(tinf.info(n).nbytes for n in names)
     kv = n_streams * (mean_position + 1) * 2 * engine.n_layers * engine.n_kv * engine.hd * 2
     plans = engine.plans[batch_k.padded_rows(n_streams)]
@@ -84,7 +85,8 @@ def bench_shape(shape: str, streams: list[int], prompt_len: int, n_tokens: int, 
     tick = time.perf_counter()
     config = tinf_config(SHAPES[shape])
     write_random_model(path, config, "q4", reuse_layers=True)
-    print(f"{shape}: wrote {path.stat().st_size / 2**30:.2f} GiB in {time.perf_counter() - tick:.1f} s", file=sys.stderr)
+    print(f"{shape}: wrote {path.stat().st_size / 2**30:.2f} GiB in {time.perf_counter() - tick:.1f} s",
+          file=sys.stderr)
     context = prompt_len + n_tokens
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, config["vocab_size"], prompt_len) for _ in range(max(streams))]
@@ -145,8 +147,8 @@ def main(argv=None) -> int:
         for row in result["rows"]:
             b = row["bytes_ms_at_peak"]
             share = f"{row['bound']} {row['step_ms_by_kind'][row['bound']]:.2f} ms"
-            print(f"| {row['streams']} | {row['aggregate_tok_s']:,.0f} | {row['speedup_vs_batch1']} | {row['itl_p50_ms']} | "
-                  f"{row['itl_p50_vs_batch1_step']} | {row['end_to_end_tok_s']:,.0f} | "
+            print(f"| {row['streams']} | {row['aggregate_tok_s']:,.0f} | {row['speedup_vs_batch1']} | "
+                  f"{row['itl_p50_ms']} | {row['itl_p50_vs_batch1_step']} | {row['end_to_end_tok_s']:,.0f} | "
                   f"{b['weights']} / {b['kv']} / {b['parts']} | {share} |")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))

@@ -404,7 +404,10 @@ extern "C" __global__ void __launch_bounds__(1024) batch_logits(
     __syncthreads();
     if (threadIdx.x == 0) {
         for (int w = 1; w < (int)(blockDim.x >> 5); ++w)
-            if (warp_value[w] > value || (warp_value[w] == value && warp_id[w] < id)) { value = warp_value[w]; id = warp_id[w]; }
+            if (warp_value[w] > value || (warp_value[w] == value && warp_id[w] < id)) {
+                value = warp_value[w];
+                id = warp_id[w];
+            }
         best[b] = id == 0x7fffffff ? 0 : id;
     }
 }

@@ -203,9 +203,10 @@ class BatchEngine:
             raise ValueError(f"batched decoding runs 1 to {MAX_SLOTS} sequences; ask for {MAX_SLOTS} or fewer.")
         slots = int(min(MAX_SLOTS, fit)) if slots is None else slots
         if slots < 1 or slots > fit:
+            kv = (max(slots, 1) + 1) * per_slot / gib
             raise DeviceError(f"{max(slots, 1)} sequences of {self.max_context} positions do not fit on this GPU "
-                              f"(KV cache {(max(slots, 1) + 1) * per_slot / gib:.2f} GiB + scratch {fixed / gib:.2f} GiB "
-                              f"of {free / gib:.2f} GiB free); use fewer parallel sequences or a smaller max_context.")
+                              f"(KV cache {kv:.2f} GiB + scratch {fixed / gib:.2f} GiB of {free / gib:.2f} GiB free); "
+                              "use fewer parallel sequences or a smaller max_context.")
         return slots
 
     def allocate(self) -> None:
