@@ -70,9 +70,8 @@ def step_bytes(engine, n_streams: int, mean_position: float) -> dict:
     names = ["output"] + [f"layers.{i}.{r}" for i in range(engine.n_layers) for r in roles]
     weights = sum(tinf.info(n).nbytes for n in names)
     kv = n_streams * (mean_position + 1) * 2 * engine.n_layers * engine.n_kv * engine.hd * 2
-    plans = engine.plans[batch_k.padded_rows(n_streams)]
-    parts = 2 * 4 * (engine.n_layers * sum(plans[r].parts_floats for r in ("wqkv", "wo", "w_gate_up", "w_down"))
-                     + plans["output"].parts_floats)
+    padded = batch_k.padded_rows(n_streams)
+    parts = 2 * 4 * sum(engine.plan_for(name, padded).parts_floats for name in names)
     return {"weights": weights, "kv": int(kv), "parts": parts}
 
 

@@ -4,7 +4,7 @@
 // batch.py). The step, per layer (runtime/cuda_batch.py):
 //
 //   batch_rmsnorm      x[b] += the previous linear's partial sums; h = rms_norm(x[b]) * w as fp16
-//   batch_gemv_q4      parts[s][b][n] = sum over slice s of K of W[n][k] h[b][k]   (tensor cores)
+//   batch_gemv         parts[s][b][n] = sum over slice s of K of W[n][k] h[b][k]   (tensor cores; q4, q8, f16)
 //   batch_rope_store   qkv = sum_s parts (+ bias); q rotated (times 1/sqrt(hd)); k, v into the slot's cache
 //   batch_attention    each row over its own slot's positions first_key(pos)..pos -> fp16
 //   batch_swiglu       silu(gate) * up from the gate/up parts -> fp16
@@ -20,7 +20,17 @@
 #include "common.cuh"
 
 #define BG_WARPS 8          // warps per GEMV block, each on its own 16-row tiles
-#define BG_PIECE_COLS 128   // q4 columns of one 64-byte piece of a row (kernels/layout.py)
+#define BG_F16 0            // weight encodings (template argument ENC)
+#define BG_Q8 1
+#define BG_Q4 2
+
+// Columns of one 64-byte piece of a row (kernels/layout.py), and the k-steps of one lane's 16 bytes.
+template <int ENC> struct BatchEncoding {
+    static constexpr int piece_cols = ENC == BG_Q4 ? 128 : ENC == BG_Q8 ? 64 : 32;
+    static constexpr int steps = piece_cols / 16;
+    static constexpr int quads = steps / 2;     // staged uint4 of h per lane and piece (two k-steps each)
+    static constexpr int bits = ENC == BG_Q4 ? 4 : ENC == BG_Q8 ? 8 : 16;
+};
 
 // Two weights of one u32 of nibbles, (n - 8) as exact fp16: nibbles at bits shift and shift + 16
 // into 1024 + n (0x6400 is 1024.0), minus 1032.
@@ -33,91 +43,132 @@ TI_DEVICE u32 scaled_pair(u32 w, int shift, __half2 scale) {
     return as_u32(__hmul2(q4_pair(w, shift), scale));
 }
 
+// Two int8 weights of a u32 (bytes at selector positions), exact as fp16: (v ^ 0x80) = v + 128 into
+// the low byte of 1024 + u, minus 1152; then the scale.
+TI_DEVICE u32 q8_scaled_pair(u32 w, u32 selector, __half2 scale) {
+    const u32 bits = __byte_perm(w ^ 0x80808080u, 0x64646464u, selector);
+    return as_u32(__hmul2(__hsub2(*reinterpret_cast<const __half2*>(&bits), __float2half2_rn(1152.f)), scale));
+}
+
 TI_DEVICE u32 word_of(const uint4& v, int j) {
     return j == 0 ? v.x : j == 1 ? v.y : j == 2 ? v.z : v.w;
 }
 
-// One item of a warp: 16 rows (two 8-row blocks) x one 128-column piece, and the rows' scales.
-struct Q4Item {
-    uint4 lo, hi;           // row g and row g + 8 of the tile, 32 nibbles each (lane's 16 bytes)
-    __half s_lo, s_hi;      // their scales for the lane's 32 columns
+// One item of a warp: 16 rows (two 8-row blocks) x one piece, and the rows' scales (q4, q8).
+struct WeightItem {
+    uint4 lo, hi;           // row g and row g + 8 of the tile (the lane's 16 bytes of each)
+    __half s_lo, s_hi;      // their scales for the lane's columns
 };
 
-// y = W h for NB * 8 rows of h at once, W q4 in 8-row blocks (layout.py; rows a multiple of 8,
-// kpad of 128), group a multiple of 32.
+// A's registers (a0 row g, a1 row g + 8 at k slots 2t, 2t+1; a2, a3 at 2t+8, 2t+9) of k-step s.
+// q4: word s / 2, nibbles at shifts 0 / 4 (s even: columns 0,4 and 1,5 of the word) or 8 / 12
+// (2,6 and 3,7). q8: word s, bytes 0,1 and 2,3. f16: words 2s and 2s + 1 as they are.
+template <int ENC>
+TI_DEVICE void a_fragment(const WeightItem& it, int s, __half2 s_lo, __half2 s_hi, u32 (&a)[4]) {
+    if (ENC == BG_Q4) {
+        const u32 wl = word_of(it.lo, s >> 1), wh = word_of(it.hi, s >> 1);
+        const int shift = 8 * (s & 1);
+        a[0] = scaled_pair(wl, shift, s_lo);
+        a[1] = scaled_pair(wh, shift, s_hi);
+        a[2] = scaled_pair(wl, shift + 4, s_lo);
+        a[3] = scaled_pair(wh, shift + 4, s_hi);
+    } else if (ENC == BG_Q8) {
+        const u32 wl = word_of(it.lo, s), wh = word_of(it.hi, s);
+        a[0] = q8_scaled_pair(wl, 0x5140u, s_lo);
+        a[1] = q8_scaled_pair(wh, 0x5140u, s_hi);
+        a[2] = q8_scaled_pair(wl, 0x5342u, s_lo);
+        a[3] = q8_scaled_pair(wh, 0x5342u, s_hi);
+    } else {
+        a[0] = word_of(it.lo, 2 * s);
+        a[1] = word_of(it.hi, 2 * s);
+        a[2] = word_of(it.lo, 2 * s + 1);
+        a[3] = word_of(it.hi, 2 * s + 1);
+    }
+}
+
+// h's 8 columns for one staged uint4 in the order of a_fragment's k slots: (b0, b1) of two k-steps.
+// q8 and f16 take columns in their order; q4 pairs columns 0,4 / 1,5 (k-step 2j) and 2,6 / 3,7.
+template <int ENC>
+TI_DEVICE uint4 staged_quad(uint4 v) {
+    if (ENC != BG_Q4) return v;
+    uint4 f;
+    f.x = __byte_perm(v.x, v.z, 0x5410);    // columns 0, 4: k-step 2j, b0
+    f.y = __byte_perm(v.x, v.z, 0x7632);    // columns 1, 5: k-step 2j, b1
+    f.z = __byte_perm(v.y, v.w, 0x5410);    // columns 2, 6: k-step 2j + 1, b0
+    f.w = __byte_perm(v.y, v.w, 0x7632);    // columns 3, 7: k-step 2j + 1, b1
+    return f;
+}
+
+// y = W h for NB * 8 rows of h at once, W in 8-row blocks (layout.py; rows a multiple of 8, rows of
+// whole 64-byte pieces), q4/q8 groups a multiple of 32.
 //
 // mma.m16n8k16 with A = 16 weight rows, B = 8 rows of h. The sum over k does not care which column
 // sits in which k slot as long as A and B agree, so lane (g, t) feeds its own 16-byte load: row g
-// (and g + 8), columns 32 t .. 32 t + 31 of the piece, one group, one scale. Word j of the load holds
-// columns 8 j .. 8 j + 7; k-step 2 j takes columns (0, 4) as A's k slots 2t, 2t+1 and (1, 5) as 2t+8,
-// 2t+9, k-step 2 j + 1 columns (2, 6) and (3, 7): nibble masks at shifts 0 / 4 and 8 / 12. h is
-// staged once per block in shared memory in exactly that order (B fragments: uint4 per lane per
-// word, b0/b1 of both k-steps). Weights are rounded to fp16 as (n - 8) * scale, as prefill's
+// (and g + 8), columns piece_cols / 4 * t .. of the piece (within one group: one scale). q4: word j
+// of the load holds columns 8 j .. 8 j + 7; k-step 2 j takes columns (0, 4) as A's k slots 2t, 2t+1
+// and (1, 5) as 2t+8, 2t+9, k-step 2 j + 1 columns (2, 6) and (3, 7): nibble masks at shifts 0 / 4
+// and 8 / 12. q8 and f16 take the lane's columns in order, four per k-step. h is staged once per
+// block in shared memory in exactly that order (staged_quad: a uint4 per lane holds b0/b1 of two
+// k-steps). Quantized weights are rounded to fp16 as (n - 8) * scale or v * scale, as prefill's
 // dequantization rounds them.
 //
 // Grid (row groups of tiles_per_block tiles, K slices of pieces_per_slice pieces); block BG_WARPS
 // warps, warp w takes tiles w, w + BG_WARPS, ... of its group over its slice, two items' loads in
 // flight ahead of the products. Dynamic shared memory: NB * 8 rows x the slice's columns, fp16.
-template <int NB>
-__global__ void __launch_bounds__(BG_WARPS * 32, 2) batch_gemv_q4(
+template <int ENC, int NB>
+__global__ void __launch_bounds__(BG_WARPS * 32, 2) batch_gemv(
     const unsigned char* __restrict__ w, const __half* __restrict__ scales, int rows, int kpad, int group,
     const __half* h, int ldh,                 // [NB * 8][ldh] fp16, columns kpad of them read
     int pieces_per_slice, int tiles_per_block,
     float* __restrict__ parts)                // [gridDim.y][NB * 8][rows]
 {
     extern __shared__ __align__(16) unsigned char bg_smem[];
-    uint4* hs = reinterpret_cast<uint4*>(bg_smem);      // [piece][NB][word j][lane]
+    using E = BatchEncoding<ENC>;
+    uint4* hs = reinterpret_cast<uint4*>(bg_smem);      // [piece][NB][quad][lane]
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
-    const int n_pieces = kpad / BG_PIECE_COLS;
+    const int n_pieces = kpad / E::piece_cols;
     const int p0 = blockIdx.y * pieces_per_slice;
     const int np = min(pieces_per_slice, n_pieces - p0);
     const int n_tiles = (rows + 15) >> 4;
-    const int groups = kpad / group;
-    const size_t row_bytes = (size_t)kpad / 2;
+    const int groups = ENC == BG_F16 ? 0 : kpad / group;
+    const size_t row_bytes = (size_t)kpad * E::bits / 8;
     const int first_tile = blockIdx.x * tiles_per_block + warp;
     const int tile_end = min(n_tiles, (int)(blockIdx.x + 1) * tiles_per_block);
     const int my_tiles = first_tile < tile_end ? (tile_end - first_tile + BG_WARPS - 1) / BG_WARPS : 0;
     const int n_items = my_tiles * np;
 
     auto load_item = [&](int k) {
-        Q4Item it;
+        WeightItem it;
         const int tile = first_tile + (k / np) * BG_WARPS, piece = p0 + k % np;
         const bool has_hi = tile * 16 + 8 < rows;
         const unsigned char* block_lo = w + (size_t)tile * 16 * row_bytes + (size_t)piece * 512 + g * 64 + 16 * t;
-        const int scale_col = 8 * ((piece * BG_PIECE_COLS + 32 * t) / group) + g;
-        const __half* scale_lo = scales + (size_t)tile * 16 * groups + scale_col;
         it.lo = load_stream(block_lo);
-        it.s_lo = scale_lo[0];
-        if (has_hi) {
-            it.hi = load_stream(block_lo + 8 * row_bytes);
-            it.s_hi = scale_lo[8 * groups];
-        } else {
-            it.hi = make_uint4(0u, 0u, 0u, 0u);
-            it.s_hi = __float2half(0.f);
+        it.hi = has_hi ? load_stream(block_lo + 8 * row_bytes) : make_uint4(0u, 0u, 0u, 0u);
+        it.s_lo = it.s_hi = __float2half(0.f);
+        if (ENC != BG_F16) {
+            const int scale_col = 8 * ((piece * E::piece_cols + E::piece_cols / 4 * t) / group) + g;
+            const __half* scale_lo = scales + (size_t)tile * 16 * groups + scale_col;
+            it.s_lo = scale_lo[0];
+            if (has_hi) it.s_hi = scale_lo[8 * groups];
         }
         return it;
     };
 
     // The first two items' weights are requested before the previous kernel has finished.
     pdl_launch_dependents();
-    Q4Item cur, next;
+    WeightItem cur, next;
     if (n_items > 0) cur = load_item(0);
     if (n_items > 1) next = load_item(1);
     pdl_wait();
 
-    const int stage_items = NB * 8 * np * 16;            // (row b, piece, lane t, word j), j fastest
+    const int stage_items = NB * 8 * np * 4 * E::quads;  // (row b, piece, lane t, quad j), j fastest
     for (int i = threadIdx.x; i < stage_items; i += blockDim.x) {
-        const int j = i & 3, tt = (i >> 2) & 3, rest = i >> 4;
+        const int j = i % E::quads, tt = (i / E::quads) & 3, rest = i / (4 * E::quads);
         const int p = rest % np, b = rest / np;
-        const uint4 v = __ldcg(reinterpret_cast<const uint4*>(h + (size_t)b * ldh + (size_t)(p0 + p) * BG_PIECE_COLS
-                                                              + 32 * tt + 8 * j));
-        uint4 f;
-        f.x = __byte_perm(v.x, v.z, 0x5410);    // columns 0, 4: k-step 2j, b0
-        f.y = __byte_perm(v.x, v.z, 0x7632);    // columns 1, 5: k-step 2j, b1
-        f.z = __byte_perm(v.y, v.w, 0x5410);    // columns 2, 6: k-step 2j + 1, b0
-        f.w = __byte_perm(v.y, v.w, 0x7632);    // columns 3, 7: k-step 2j + 1, b1
-        hs[((p * NB + (b >> 3)) * 4 + j) * 32 + (b & 7) * 4 + tt] = f;
+        const uint4 v = __ldcg(reinterpret_cast<const uint4*>(h + (size_t)b * ldh + (size_t)(p0 + p) * E::piece_cols
+                                                              + E::piece_cols / 4 * tt + 8 * j));
+        hs[((p * NB + (b >> 3)) * E::quads + j) * 32 + (b & 7) * 4 + tt] = staged_quad<ENC>(v);
     }
     __syncthreads();
 
@@ -127,24 +178,22 @@ __global__ void __launch_bounds__(BG_WARPS * 32, 2) batch_gemv_q4(
     float* out = parts + (size_t)blockIdx.y * NB * 8 * rows;
 
     for (int k = 0; k < n_items; ++k) {
-        Q4Item after;
+        WeightItem after;
         if (k + 2 < n_items) after = load_item(k + 2);
         const int p = k % np;
         const __half2 s_lo = __half2half2(cur.s_lo), s_hi = __half2half2(cur.s_hi);
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
+        for (int j = 0; j < E::quads; ++j) {
             uint4 b[NB];
 #pragma unroll
-            for (int nb = 0; nb < NB; ++nb) b[nb] = hs[((p * NB + nb) * 4 + j) * 32 + lane];
-            const u32 wl = word_of(cur.lo, j), wh = word_of(cur.hi, j);
+            for (int nb = 0; nb < NB; ++nb) b[nb] = hs[((p * NB + nb) * E::quads + j) * 32 + lane];
 #pragma unroll
             for (int half = 0; half < 2; ++half) {
-                const int shift = 8 * half;
-                const u32 a0 = scaled_pair(wl, shift, s_lo), a1 = scaled_pair(wh, shift, s_hi);
-                const u32 a2 = scaled_pair(wl, shift + 4, s_lo), a3 = scaled_pair(wh, shift + 4, s_hi);
+                u32 a[4];
+                a_fragment<ENC>(cur, 2 * j + half, s_lo, s_hi, a);
 #pragma unroll
                 for (int nb = 0; nb < NB; ++nb)
-                    mma_16816(acc[nb], a0, a1, a2, a3, half ? b[nb].z : b[nb].x, half ? b[nb].w : b[nb].y);
+                    mma_16816(acc[nb], a[0], a[1], a[2], a[3], half ? b[nb].z : b[nb].x, half ? b[nb].w : b[nb].y);
             }
         }
         if (p == np - 1) {                                // the tile's last piece: store its sums
@@ -168,12 +217,24 @@ __global__ void __launch_bounds__(BG_WARPS * 32, 2) batch_gemv_q4(
     }
 }
 
-template __global__ void batch_gemv_q4<1>(const unsigned char*, const __half*, int, int, int, const __half*, int, int,
-                                          int, float*);
-template __global__ void batch_gemv_q4<2>(const unsigned char*, const __half*, int, int, int, const __half*, int, int,
-                                          int, float*);
-template __global__ void batch_gemv_q4<4>(const unsigned char*, const __half*, int, int, int, const __half*, int, int,
-                                          int, float*);
+template __global__ void batch_gemv<BG_F16,1>(const unsigned char*, const __half*, int, int, int, const __half*, int,
+                                           int, int, float*);
+template __global__ void batch_gemv<BG_F16,2>(const unsigned char*, const __half*, int, int, int, const __half*, int,
+                                           int, int, float*);
+template __global__ void batch_gemv<BG_F16,4>(const unsigned char*, const __half*, int, int, int, const __half*, int,
+                                           int, int, float*);
+template __global__ void batch_gemv<BG_Q8,1>(const unsigned char*, const __half*, int, int, int, const __half*, int,
+                                           int, int, float*);
+template __global__ void batch_gemv<BG_Q8,2>(const unsigned char*, const __half*, int, int, int, const __half*, int,
+                                           int, int, float*);
+template __global__ void batch_gemv<BG_Q8,4>(const unsigned char*, const __half*, int, int, int, const __half*, int,
+                                           int, int, float*);
+template __global__ void batch_gemv<BG_Q4,1>(const unsigned char*, const __half*, int, int, int, const __half*, int,
+                                           int, int, float*);
+template __global__ void batch_gemv<BG_Q4,2>(const unsigned char*, const __half*, int, int, int, const __half*, int,
+                                           int, int, float*);
+template __global__ void batch_gemv<BG_Q4,4>(const unsigned char*, const __half*, int, int, int, const __half*, int,
+                                           int, int, float*);
 
 // Sum of the K slices' partial sums of element i of row b (a linear's [slices][rows_pad][n] parts).
 TI_DEVICE float slice_sum(const float* parts, int n_slices, size_t slice_stride, size_t index) {

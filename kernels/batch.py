@@ -1,4 +1,4 @@
-"""Launching the batched decode kernels of batch.cu, how the q4 GEMV splits its work, and the
+"""Launching the batched decode kernels of batch.cu, how the GEMV splits its work, and the
 kernels' NumPy references (what each computes, rounding to fp16 at the same points).
 
 Every launch is a build.Launch with its scalars in their NumPy types, built once per batch size
@@ -17,8 +17,9 @@ from tinyinfer.kernels.build import Launch, module
 
 ROW_CHUNK = 8                # rows of h per mma (n of m16n8k16): a batch is padded to a multiple
 GEMV_WARPS = 8               # BG_WARPS
-PIECE_COLS = 128             # BG_PIECE_COLS
-GEMV_NB = (1, 2, 4)          # batch_gemv_q4<NB> instances: 8, 16 or 32 rows
+ENCODING_ID = {"f16": 0, "q8": 1, "q4": 2}           # BG_F16, BG_Q8, BG_Q4
+PIECE_COLS = {"f16": 32, "q8": 64, "q4": 128}        # columns of a 64-byte piece (BatchEncoding)
+GEMV_NB = (1, 2, 4)          # batch_gemv<ENC, NB> instances: 8, 16 or 32 rows
 STAGE_BYTES = 64 << 10       # shared memory for a block's staged h
 BLOCKS_PER_SM = 2            # the GEMV grid aims at this many blocks per SM
 ATTENTION_THREADS = 128
@@ -27,8 +28,12 @@ MAX_SHARED_BYTES = 227 << 10  # a block's opt-in shared memory on Hopper, where 
 MAX_ROWS = 32
 
 
+def gemv_name(encoding: str, padded: int) -> str:
+    return f"batch_gemv<{ENCODING_ID[encoding]},{padded // ROW_CHUNK}>"
+
+
 def compile_batch(compute_capability: int):
-    names = tuple(f"batch_gemv_q4<{nb}>" for nb in GEMV_NB)
+    names = tuple(gemv_name(e, ROW_CHUNK * nb) for e in ENCODING_ID for nb in GEMV_NB)
     return module("batch.cu", names, compute_capability)
 
 
@@ -41,8 +46,12 @@ def padded_rows(n_rows: int) -> int:
 
 
 def can_run(encoding: str, rows: int, cols_pad: int, group: int) -> bool:
-    """The batched GEMV reads q4 in 8-row blocks (layout.can_block) with groups of 32 columns or more."""
-    return encoding == "q4" and rows % 8 == 0 and cols_pad % PIECE_COLS == 0 and group % 32 == 0
+    """The batched GEMV reads q4, q8 and f16 in 8-row blocks (layout.can_block), groups of 32 columns
+    or more."""
+    if encoding not in ENCODING_ID:
+        return False
+    grouped = encoding == "f16" or (group >= 32 and group % 32 == 0)
+    return rows % 8 == 0 and cols_pad % PIECE_COLS[encoding] == 0 and grouped
 
 
 @dataclass(frozen=True)
@@ -53,6 +62,7 @@ class GemvPlan:
     pieces_per_slice: int
     slices: int
     tiles_per_block: int
+    piece_cols: int = PIECE_COLS["q4"]
 
     @property
     def grid(self) -> tuple[int, int]:
@@ -61,19 +71,20 @@ class GemvPlan:
 
     @property
     def shared_bytes(self) -> int:
-        return self.padded * self.pieces_per_slice * PIECE_COLS * 2
+        return self.padded * self.pieces_per_slice * self.piece_cols * 2
 
     @property
     def parts_floats(self) -> int:
         return self.slices * self.padded * self.rows
 
 
-def plan_gemv(rows: int, kpad: int, padded: int, n_sms: int) -> GemvPlan:
+def plan_gemv(rows: int, kpad: int, padded: int, n_sms: int, encoding: str = "q4") -> GemvPlan:
     """Slices of K as long as the staged h fits STAGE_BYTES, split further until the grid has
     BLOCKS_PER_SM blocks per SM, then more tiles per block while that many remain: each block reads
     its slice of h once, so fewer, longer blocks read h fewer times."""
-    pieces = kpad // PIECE_COLS
-    max_pieces = max(1, STAGE_BYTES // (padded * PIECE_COLS * 2))
+    piece_cols = PIECE_COLS[encoding]
+    pieces = kpad // piece_cols
+    max_pieces = max(1, STAGE_BYTES // (padded * piece_cols * 2))
     tiles = -(-rows // 16)
     row_groups = -(-tiles // GEMV_WARPS)
     per_slice = min(pieces, max_pieces)
@@ -83,18 +94,21 @@ def plan_gemv(rows: int, kpad: int, padded: int, n_sms: int) -> GemvPlan:
     slices = -(-pieces // per_slice)
     per_slice = -(-pieces // slices)                     # even slices
     widen = max(1, row_groups * slices // target)
-    return GemvPlan(rows, kpad, padded, per_slice, slices, GEMV_WARPS * widen)
+    return GemvPlan(rows, kpad, padded, per_slice, slices, GEMV_WARPS * widen, piece_cols)
 
 
 # ------------------------------------------------------------------------------------- launches
 
-def make_gemv(mod, plan: GemvPlan, weight_ptr: int, scale_ptr: int, group: int, h, ldh: int, parts,
-              name: str = "batch_gemv_q4") -> Launch:
-    kernel = mod.get_function(f"batch_gemv_q4<{plan.padded // ROW_CHUNK}>")
+def make_gemv(mod, encoding: str, plan: GemvPlan, weight_ptr: int, scale_ptr: int, group: int, h, ldh: int, parts,
+              name: str = "batch_gemv") -> Launch:
+    """scale_ptr and group are ignored for f16 (pass 0)."""
+    assert plan.piece_cols == PIECE_COLS[encoding]
+    kernel = mod.get_function(gemv_name(encoding, plan.padded))
+    bits = {"f16": 16, "q8": 8, "q4": 4}[encoding]
     return Launch(name, kernel, plan.grid, (GEMV_WARPS * 32,), (
-        np.uint64(weight_ptr), np.uint64(scale_ptr), np.int32(plan.rows), np.int32(plan.kpad), np.int32(group),
+        np.uint64(weight_ptr), np.uint64(scale_ptr), np.int32(plan.rows), np.int32(plan.kpad), np.int32(group or 32),
         h, np.int32(ldh), np.int32(plan.pieces_per_slice), np.int32(plan.tiles_per_block), parts),
-        shared_mem=plan.shared_bytes, bytes_read=plan.rows * plan.kpad // 2, waits=True)
+        shared_mem=plan.shared_bytes, bytes_read=plan.rows * plan.kpad * bits // 8, waits=True)
 
 
 def slice_args(parts, plan: GemvPlan | None):
@@ -153,8 +167,17 @@ def make_logits(mod, n_rows: int, parts, plan, vocab: int, logits, best) -> Laun
 
 def gemv_reference(h: np.ndarray, weight_fp16: np.ndarray) -> np.ndarray:
     """[rows_h, n] float32: h (fp16 [rows_h, kpad]) times the weight as prefill dequantizes it
-    (fp16 [n, kpad], prefill.dequant_reference), in float64."""
+    (fp16 [n, kpad]: prefill.dequant_reference, or an f16 tensor's values), in float64."""
     return (h.astype(np.float64) @ weight_fp16.astype(np.float64).T).astype(np.float32)
+
+
+def weight_reference(tensor) -> np.ndarray:
+    """fp16 [rows, kpad]: a linear as the batched GEMV multiplies it (prefill's dequantization, f16 as stored)."""
+    if tensor.encoding == "f16":
+        return np.asarray(tensor.data, np.float16)
+    from tinyinfer.kernels import prefill as prefill_k
+
+    return prefill_k.dequant_reference(tensor)
 
 
 def rmsnorm_reference(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:

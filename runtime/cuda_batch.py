@@ -8,7 +8,7 @@ its RoPE tables, its stream and its prefill kernels. What it adds:
   - a decode step over rows (token, position, slot), one row per decoding sequence, as one CUDA
     graph per batch-size bucket (BUCKETS; a step of n rows replays the smallest bucket >= n):
 
-        embed -> per layer [ rmsnorm (+= previous down) -> q4 GEMV qkv -> rope + KV store
+        embed -> per layer [ rmsnorm (+= previous down) -> GEMV qkv -> rope + KV store
                              -> attention (each row over its own slot) -> GEMV o
                              -> rmsnorm (+= o) -> GEMV gate/up -> swiglu -> GEMV down ]
               -> rmsnorm (+= down) -> GEMV output -> logits + greedy argmax per row
@@ -47,7 +47,6 @@ PREFILL_CHUNK = 512                # prompt tokens prefilled between two decode 
 MARGIN_BYTES = 256 << 20
 H2D, D2H = 1, 2
 PROFILE_HOLD_NS = 30_000_000       # profile_step: long enough to queue a 7B step's ~300 launches
-ROLES = ("wqkv", "wo", "w_gate_up", "w_down")
 GREEDY = SamplingParams()
 
 
@@ -102,15 +101,15 @@ class SlotCache:
 
 
 def check_model(tinf) -> None:
-    """The batched GEMV reads q4 linears in 8-row blocks, the attention groups of up to 8 heads of up
-    to 128; prefill needs a head size it compiles."""
+    """The batched GEMV reads q4/q8/f16 linears in 8-row blocks, the attention groups of up to 8 heads
+    of up to 128; prefill needs a head size it compiles."""
     for name in cuda_prefill.linear_names(tinf.config):
         info = tinf.info(name)
         shape = gemv_k.shape_of(info)
         if not batch_k.can_run(info.encoding, shape.rows, shape.cols_pad, info.group or 0):
             raise DeviceError(f"{name} is {info.encoding} of shape {tuple(info.shape)}, which batched decoding does "
-                              "not read (q4 with rows a multiple of 8 and rows of 128 columns); convert the model "
-                              "with --quant q4 or decode one sequence at a time.")
+                              "not read (q4, q8 or f16 in 8-row blocks: rows a multiple of 8, rows of whole 64-byte "
+                              "pieces); convert the model with --quant q4 or decode one sequence at a time.")
     c = tinf.config
     if not batch_k.attention_supports(c["n_heads"], c["n_kv_heads"], c["head_dim"]):
         raise DeviceError(f"batched attention takes up to {batch_k.MAX_GROUP} query heads per KV head and head_dim "
@@ -138,7 +137,7 @@ class BatchEngine:
         self.pdl = bool(getattr(backend, "pdl", False))   # early launches as the batch-1 step (TINYINFER_PDL=0: off)
         self.keep_logits = keep_logits       # step() keeps every row's logits in last_logits (tests)
         self.last_logits: dict[int, np.ndarray] = {}
-        self.plans = {p: self.gemv_plans(p) for p in sorted({batch_k.padded_rows(b) for b in BUCKETS})}
+        self.plans: dict[tuple, batch_k.GemvPlan] = {}
         self.prefill_chunk = min(prefill_chunk, cuda_prefill.MAX_CHUNK)
         self.n_slots = self.check_memory(slots)
         self.mod = batch_k.compile_batch(backend.compute_capability)
@@ -168,13 +167,19 @@ class BatchEngine:
                               f"for this model; load the batch with max_context of at most {most}.")
         return wanted
 
-    def gemv_plans(self, padded: int) -> dict:
-        """role -> GemvPlan for a step of `padded` GEMV rows; "output" for the head."""
-        plans = {}
-        for role in ROLES + ("output",):
-            shape = gemv_k.shape_of(self.tinf.info(role if role == "output" else f"layers.0.{role}"))
-            plans[role] = batch_k.plan_gemv(shape.rows, shape.cols_pad, padded, self.backend.n_sms)
-        return plans
+    def plan_for(self, name: str, padded: int) -> batch_k.GemvPlan:
+        """The GEMV plan of a linear for a step of `padded` rows (one per shape and encoding)."""
+        shape = gemv_k.shape_of(self.tinf.info(name))
+        key = (shape.encoding, shape.rows, shape.cols_pad, padded)
+        if key not in self.plans:
+            self.plans[key] = batch_k.plan_gemv(shape.rows, shape.cols_pad, padded, self.backend.n_sms,
+                                                shape.encoding)
+        return self.plans[key]
+
+    def parts_floats(self) -> int:
+        """The partial sums of the largest linear at the largest step."""
+        return max(self.plan_for(name, batch_k.padded_rows(MAX_SLOTS)).parts_floats
+                   for name in cuda_prefill.linear_names(self.config))
 
     def kpad(self, role: str) -> int:
         return gemv_k.shape_of(self.tinf.info(f"layers.0.{role}")).cols_pad
@@ -184,7 +189,7 @@ class BatchEngine:
 
     def scratch_bytes(self) -> int:
         rows = MAX_SLOTS
-        parts = max(p.parts_floats for plans in self.plans.values() for p in plans.values())
+        parts = self.parts_floats()
         h = rows * (self.kpad("wqkv") + self.kpad("wo") + self.kpad("w_down")) * 2
         floats = rows * (self.dim + self.n_heads * self.hd + self.vocab) + parts
         prefill = (self.prefill_chunk * cuda_prefill.bytes_per_token(self.config)
@@ -221,8 +226,7 @@ class BatchEngine:
         self.h_attn = cp.zeros((rows, self.kpad("wo")), dtype=cp.float16)
         self.h_ffn = cp.zeros((rows, self.kpad("w_down")), dtype=cp.float16)
         self.q = cp.zeros((rows, self.n_heads * self.hd), dtype=cp.float32)
-        parts = max(p.parts_floats for plans in self.plans.values() for p in plans.values())
-        self.parts = cp.zeros(parts, dtype=cp.float32)               # one linear's slices at a time
+        self.parts = cp.zeros(self.parts_floats(), dtype=cp.float32)               # one linear's slices at a time
         self.logits = cp.zeros((rows, self.vocab), dtype=cp.float32)
         self.best = cp.zeros(rows, dtype=cp.int32)
         self.table_host = pinned_empty(3 * rows, np.int32).reshape(3, rows)
@@ -230,18 +234,20 @@ class BatchEngine:
 
     # ------------------------------------------------------------------------- the step
 
-    def gemv(self, name: str, plan, h):
+    def gemv(self, name: str, padded: int, h):
         info = self.tinf.info(name)
         view = self.backend.view(name)
-        scales = view.data.ptr + scale_offset(info.encoding, info.shape, info.group)
-        role = name.rsplit(".", 1)[-1]
-        return batch_k.make_gemv(self.mod, plan, view.data.ptr, scales, info.group, h, h.shape[1], self.parts,
-                                 f"gemv {role}")
+        quantized = info.encoding != "f16"
+        scales = view.data.ptr + scale_offset(info.encoding, info.shape, info.group) if quantized else 0
+        return batch_k.make_gemv(self.mod, info.encoding, self.plan_for(name, padded), view.data.ptr, scales,
+                                 info.group if quantized else 0, h, h.shape[1], self.parts,
+                                 f"gemv {name.rsplit('.', 1)[-1]}")
 
     def build_step(self, n: int) -> list[Launch]:
         """The launches of a step of n rows (a bucket)."""
         b, mod, c = self.backend, self.mod, self.config
-        plans = self.plans[batch_k.padded_rows(n)]
+        padded = batch_k.padded_rows(n)
+        plan = lambda name: self.plan_for(name, padded)   # noqa: E731
         eps = float(c["norm_eps"])
         tokens, positions, slots = self.table[0], self.table[1], self.table[2]
         emb = self.tinf.info("tok_embeddings").encoding
@@ -257,26 +263,26 @@ class BatchEngine:
             launches += [
                 batch_k.make_rmsnorm(mod, n, self.x, self.parts, before, b.f32_view(p + "attn_norm"), self.dim, eps,
                                      self.h_norm, self.h_norm.shape[1]),
-                self.gemv(p + "wqkv", plans["wqkv"], self.h_norm),
-                batch_k.make_rope_store(mod, n, self.parts, plans["wqkv"], bias, positions, slots, self.n_heads,
+                self.gemv(p + "wqkv", padded, self.h_norm),
+                batch_k.make_rope_store(mod, n, self.parts, plan(p + "wqkv"), bias, positions, slots, self.n_heads,
                                         self.n_kv, self.hd, b.rope_cos, b.rope_sin, self.q, self.k_cache[i],
                                         self.v_cache[i], self.slot_stride),
                 batch_k.make_attention(mod, n, self.q, self.k_cache[i], self.v_cache[i], self.slot_stride, positions,
                                        slots, self.n_heads, self.n_kv, self.hd, c.get("sliding_window"),
                                        self.max_context, self.h_attn, self.h_attn.shape[1]),
-                self.gemv(p + "wo", plans["wo"], self.h_attn),
-                batch_k.make_rmsnorm(mod, n, self.x, self.parts, plans["wo"], b.f32_view(p + "ffn_norm"), self.dim,
+                self.gemv(p + "wo", padded, self.h_attn),
+                batch_k.make_rmsnorm(mod, n, self.x, self.parts, plan(p + "wo"), b.f32_view(p + "ffn_norm"), self.dim,
                                      eps, self.h_norm, self.h_norm.shape[1]),
-                self.gemv(p + "w_gate_up", plans["w_gate_up"], self.h_norm),
-                batch_k.make_swiglu(mod, n, self.parts, plans["w_gate_up"], self.ffn, self.h_ffn, self.h_ffn.shape[1]),
-                self.gemv(p + "w_down", plans["w_down"], self.h_ffn),
+                self.gemv(p + "w_gate_up", padded, self.h_norm),
+                batch_k.make_swiglu(mod, n, self.parts, plan(p + "w_gate_up"), self.ffn, self.h_ffn, self.h_ffn.shape[1]),
+                self.gemv(p + "w_down", padded, self.h_ffn),
             ]
-            before = plans["w_down"]
+            before = plan(p + "w_down")
         launches += [
             batch_k.make_rmsnorm(mod, n, self.x, self.parts, before, b.f32_view("norm"), self.dim, eps, self.h_norm,
                                  self.h_norm.shape[1]),
-            self.gemv("output", plans["output"], self.h_norm),
-            batch_k.make_logits(mod, n, self.parts, plans["output"], self.vocab, self.logits, self.best),
+            self.gemv("output", padded, self.h_norm),
+            batch_k.make_logits(mod, n, self.parts, plan("output"), self.vocab, self.logits, self.best),
         ]
         return launches
 

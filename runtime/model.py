@@ -221,7 +221,7 @@ class Model:
                        repetition_penalty: float | None = None, seed: int | None = None,
                        parallel: int | None = None, **template_kwargs) -> list[str]:
         """The continuation of every prompt, for offline batch jobs: decoded together on the GPU
-        (runtime/cuda_batch.py: up to `parallel` at once, q4 models), else one after the other as
+        (runtime/cuda_batch.py: up to `parallel` at once), else one after the other as
         generate() would. Prompt i samples with seed + i (seed None: unseeded); each stops at
         max_tokens or an end-of-sequence id. Every prompt is checked before any work."""
         prompts = list(prompts)

@@ -1,5 +1,6 @@
-"""Batched decoding without a GPU: the q4 GEMV's fragment order emulated in NumPy, how its work is
-split, the step's buckets, and Model.generate_batch's serial fallback on the CPU."""
+"""Batched decoding without a GPU: the GEMV's fragment order (q4, q8, f16) emulated in NumPy, how its
+work is split, the step's buckets and launches, the scheduling, and Model.generate_batch's serial
+fallback on the CPU."""
 
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ from tinyinfer.formats.quant import scale_offset
 from tinyinfer.kernels import batch as batch_k
 from tinyinfer.kernels import gemv as gemv_k
 from tinyinfer.kernels import layout
-from tinyinfer.kernels import prefill as prefill_k
 from tinyinfer.runtime import load
 from tinyinfer.runtime.bench import random_encoded, write_random_model
 from tinyinfer.runtime.cuda_batch import BUCKETS, BatchEngine, bucket_for
@@ -25,25 +25,45 @@ def q4_pair(word: int, shift: int, scale: np.float16) -> np.ndarray:
     return (nibbles - np.float16(8)) * scale
 
 
-def staged_words(h_row: np.ndarray, column: int) -> list[np.ndarray]:
-    """The staged uint4 of one lane and word: four half2 (b0, b1 of two k-steps) from 8 columns."""
+def q8_pair(word: int, first_byte: int, scale: np.float16) -> np.ndarray:
+    """batch.cu q8_scaled_pair: bytes first_byte and first_byte + 1 of the word as int8, times the scale."""
+    values = np.array([word >> (8 * first_byte), word >> (8 * first_byte + 8)], dtype=np.uint32).astype(np.uint8)
+    return values.view(np.int8).astype(np.float16) * scale
+
+
+def a_values(encoding: str, words: np.ndarray, step: int, scale) -> tuple[np.ndarray, np.ndarray]:
+    """batch.cu a_fragment for one row: (k slots 2t, 2t+1), (2t+8, 2t+9) of k-step `step`."""
+    if encoding == "q4":
+        word, shift = int(words[step >> 1]), 8 * (step & 1)
+        return q4_pair(word, shift, scale), q4_pair(word, shift + 4, scale)
+    if encoding == "q8":
+        return q8_pair(int(words[step]), 0, scale), q8_pair(int(words[step]), 2, scale)
+    halves = words.view(np.float16)
+    return halves[4 * step: 4 * step + 2], halves[4 * step + 2: 4 * step + 4]
+
+
+def staged_quad(encoding: str, h_row: np.ndarray, column: int) -> list[np.ndarray]:
+    """batch.cu staged_quad: four half2 (b0, b1 of two k-steps) from 8 columns of h."""
     x = h_row[column: column + 8]
-    return [x[[0, 4]], x[[1, 5]], x[[2, 6]], x[[3, 7]]]
+    if encoding == "q4":
+        return [x[[0, 4]], x[[1, 5]], x[[2, 6]], x[[3, 7]]]
+    return [x[0:2], x[2:4], x[4:6], x[6:8]]
 
 
-def emulate_gemv(blocked: np.ndarray, rows: int, kpad: int, group: int, h: np.ndarray) -> np.ndarray:
-    """What batch_gemv_q4 computes, lane by lane: A and B fragments built as the kernel builds them,
+def emulate_gemv(encoding: str, blocked: np.ndarray, rows: int, kpad: int, group: int, h: np.ndarray) -> np.ndarray:
+    """What batch_gemv computes, lane by lane: A and B fragments built as the kernel builds them,
     each mma as D[m][n] += sum_k A[m][k] B[k][n] over the PTX fragment layout."""
-    row_bytes = kpad // 2
-    groups = kpad // group
-    scales = blocked[scale_offset("q4", (rows, kpad), group):].view(np.float16)
-    padded = h.shape[0]
+    piece_cols = batch_k.PIECE_COLS[encoding]
+    row_bytes = layout.row_bytes(encoding, kpad)
+    groups = kpad // group if encoding != "f16" else 0
+    scales = blocked[scale_offset(encoding, (rows, kpad), group):].view(np.float16) if groups else None
+    padded, quads = h.shape[0], piece_cols // 32
     out = np.zeros((padded, rows), np.float64)
     for tile in range(-(-rows // 16)):
-        for piece in range(kpad // 128):
+        for piece in range(kpad // piece_cols):
             for nb in range(padded // 8):
                 d = np.zeros((16, 8))
-                for j in range(4):
+                for j in range(quads):
                     for half in range(2):
                         a, b = np.zeros((16, 16)), np.zeros((16, 8))
                         for lane in range(32):
@@ -52,14 +72,18 @@ def emulate_gemv(blocked: np.ndarray, rows: int, kpad: int, group: int, h: np.nd
                                 r = tile * 16 + 8 * hi + g
                                 if r >= rows:
                                     continue
-                                at = (r - r % 8) * row_bytes + piece * 512 + (r % 8) * 64 + 16 * t + 4 * j
-                                word = int(blocked[at: at + 4].view(np.uint32)[0])
-                                scale = scales[(r - r % 8) * groups + 8 * ((piece * 128 + 32 * t) // group) + r % 8]
-                                a[8 * hi + g, 2 * t: 2 * t + 2] = q4_pair(word, 8 * half, scale)
-                                a[8 * hi + g, 2 * t + 8: 2 * t + 10] = q4_pair(word, 8 * half + 4, scale)
-                            words = staged_words(h[nb * 8 + g], piece * 128 + 32 * t + 8 * j)
-                            b[2 * t: 2 * t + 2, g] = words[2 * half]
-                            b[2 * t + 8: 2 * t + 10, g] = words[2 * half + 1]
+                                at = (r - r % 8) * row_bytes + piece * 512 + (r % 8) * 64 + 16 * t
+                                words = blocked[at: at + 16].view(np.uint32)
+                                scale = None
+                                if groups:
+                                    column = piece * piece_cols + piece_cols // 4 * t
+                                    scale = scales[(r - r % 8) * groups + 8 * (column // group) + r % 8]
+                                low, high = a_values(encoding, words, 2 * j + half, scale)
+                                a[8 * hi + g, 2 * t: 2 * t + 2] = low
+                                a[8 * hi + g, 2 * t + 8: 2 * t + 10] = high
+                            quad = staged_quad(encoding, h[nb * 8 + g], piece * piece_cols + piece_cols // 4 * t + 8 * j)
+                            b[2 * t: 2 * t + 2, g] = quad[2 * half]
+                            b[2 * t + 8: 2 * t + 10, g] = quad[2 * half + 1]
                         d += a @ b
                 for hi in (0, 1):
                     r0 = tile * 16 + 8 * hi
@@ -69,28 +93,31 @@ def emulate_gemv(blocked: np.ndarray, rows: int, kpad: int, group: int, h: np.nd
     return out
 
 
-@pytest.mark.parametrize("rows, cols, group, padded", [(24, 256, 32, 8), (16, 128, 64, 16), (8, 256, 128, 8)])
-def test_gemv_fragment_order_multiplies_every_column_once(rows, cols, group, padded):
-    """The kernel's column-to-k-slot mapping (weights by nibble shifts, h by the staging permutation)
-    pairs each weight with its own column of h: the emulation equals h @ W^T of the dequantized weights."""
+@pytest.mark.parametrize("encoding, rows, cols, group, padded", [
+    ("q4", 24, 256, 32, 8), ("q4", 16, 128, 64, 16), ("q4", 8, 256, 128, 8),
+    ("q8", 24, 128, 32, 8), ("q8", 16, 192, 64, 16), ("f16", 24, 64, 0, 8), ("f16", 8, 96, 0, 16)])
+def test_gemv_fragment_order_multiplies_every_column_once(encoding, rows, cols, group, padded):
+    """The kernel's column-to-k-slot mapping (weights by nibble masks, byte selectors or as stored; h by
+    the staging order) pairs each weight with its own column of h: the emulation equals h @ W^T."""
     rng = np.random.default_rng(rows + cols + group)
-    tensor = random_encoded("q4", (rows, cols), group, rng)
+    tensor = random_encoded(encoding, (rows, cols), group or None, rng)
     shape = gemv_k.shape_of(tensor)
-    assert batch_k.can_run("q4", rows, shape.cols_pad, group)
+    assert batch_k.can_run(encoding, rows, shape.cols_pad, group)
     blocked = stored_bytes(tensor).copy()
     layout.block_in_place(blocked, shape)
     h = rng.standard_normal((padded, shape.cols_pad)).astype(np.float16)
-    got = emulate_gemv(blocked, rows, shape.cols_pad, group, h)
-    expected = batch_k.gemv_reference(h, prefill_k.dequant_reference(tensor))
+    got = emulate_gemv(encoding, blocked, rows, shape.cols_pad, group, h)
+    expected = batch_k.gemv_reference(h, batch_k.weight_reference(tensor))
     assert np.allclose(got, expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
 
 
 @pytest.mark.parametrize("rows, kpad", [(2560, 2048), (11264, 2048), (2048, 5632), (32000, 2048), (12288, 4096),
                                         (22016, 4096), (4096, 11008), (8, 128), (200, 384)])
 @pytest.mark.parametrize("padded", [8, 16, 32])
-def test_gemv_plan_covers_every_tile_and_piece(rows, kpad, padded):
-    plan = batch_k.plan_gemv(rows, kpad, padded, n_sms=132)
-    pieces = kpad // 128
+@pytest.mark.parametrize("encoding", ["q4", "q8", "f16"])
+def test_gemv_plan_covers_every_tile_and_piece(rows, kpad, padded, encoding):
+    plan = batch_k.plan_gemv(rows, kpad, padded, n_sms=132, encoding=encoding)
+    pieces = kpad // batch_k.PIECE_COLS[encoding]
     assert plan.slices * plan.pieces_per_slice >= pieces > (plan.slices - 1) * plan.pieces_per_slice
     assert plan.grid[0] * plan.tiles_per_block >= -(-rows // 16) > (plan.grid[0] - 1) * plan.tiles_per_block
     assert plan.tiles_per_block % batch_k.GEMV_WARPS == 0

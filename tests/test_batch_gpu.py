@@ -1,7 +1,8 @@
 """Batched decoding on the GPU (kernels/batch.cu, runtime/cuda_batch.py) against the NumPy reference.
 
 Each kernel on fresh random inputs, outputs poisoned with NaN first, relative error per row. Then the
-engine on random 2-layer models of the TinyLlama-1.1B and Llama-2-7B shapes (q4): sequences of
+engine on random 2-layer models of the TinyLlama-1.1B and Llama-2-7B shapes (q4; TinyLlama's also in
+q8 and f16): sequences of
 different prompt lengths join (some prefilled over several chunks), decode at buckets of every size,
 leave at different steps, one is cancelled; every row's logits at every step are compared with the
 NumPy reference over that sequence alone and with the batch-1 CUDA backend's, with the prefill
@@ -62,33 +63,38 @@ def n_sms(cp) -> int:
 
 # ------------------------------------------------------------------------------------- kernels
 
-@pytest.mark.parametrize("rows, cols, group", [(2560, 2048, 32), (200, 384, 64), (11008, 640, 32), (8, 128, 128)])
+GEMV_SHAPES = [("q4", 2560, 2048, 32), ("q4", 200, 384, 64), ("q4", 11008, 640, 32), ("q4", 8, 128, 128),
+               ("q8", 2560, 2048, 64), ("q8", 200, 320, 32), ("f16", 2048, 1024, 0), ("f16", 200, 96, 0)]
+
+
+@pytest.mark.parametrize("encoding, rows, cols, group", GEMV_SHAPES)
 @pytest.mark.parametrize("padded", [8, 16, 32])
 @pytest.mark.parametrize("planned", [True, False])
-def test_gemv_matches_its_reference(cupy_gpu, mod, rows, cols, group, padded, planned):
-    """batch_gemv_q4 on a blocked random q4 matrix: the planned split, and a hand-made one with an uneven
-    last slice and two rounds of tiles per warp."""
+def test_gemv_matches_its_reference(cupy_gpu, mod, encoding, rows, cols, group, padded, planned):
+    """batch_gemv on a blocked random q4, q8 or f16 matrix: the planned split, and a hand-made one with an
+    uneven last slice and two rounds of tiles per warp."""
     cp = cupy_gpu
     rng = np.random.default_rng(rows + cols + padded)
-    tensor = random_encoded("q4", (rows, cols), group, rng)
+    tensor = random_encoded(encoding, (rows, cols), group or None, rng)
     shape = gemv_k.shape_of(tensor)
     blocked = stored_bytes(tensor).copy()
     layout.block_in_place(blocked, shape)
     weights = cp.asarray(blocked)
     h = rng.standard_normal((padded, shape.cols_pad)).astype(np.float16)
     if planned:
-        plan = batch_k.plan_gemv(rows, shape.cols_pad, padded, n_sms(cp))
+        plan = batch_k.plan_gemv(rows, shape.cols_pad, padded, n_sms(cp), encoding)
     else:
-        pieces = shape.cols_pad // 128
+        piece_cols = batch_k.PIECE_COLS[encoding]
+        pieces = shape.cols_pad // piece_cols
         per_slice = max(1, min(3, pieces - 1)) if pieces > 1 else 1
-        plan = batch_k.GemvPlan(rows, shape.cols_pad, padded, per_slice, -(-pieces // per_slice), 16)
+        plan = batch_k.GemvPlan(rows, shape.cols_pad, padded, per_slice, -(-pieces // per_slice), 16, piece_cols)
     parts = cp.full(plan.parts_floats, np.nan, dtype=cp.float32)
-    launch = batch_k.make_gemv(mod, plan, weights.data.ptr, weights.data.ptr + scale_offset("q4", tensor.shape, group),
-                               group, cp.asarray(h), h.shape[1], parts)
+    scales = weights.data.ptr + scale_offset(encoding, tensor.shape, group) if group else 0
+    launch = batch_k.make_gemv(mod, encoding, plan, weights.data.ptr, scales, group, cp.asarray(h), h.shape[1], parts)
     launch()
     got = parts.reshape(plan.slices, padded, rows).sum(axis=0).get()
-    expected = batch_k.gemv_reference(h, prefill_k.dequant_reference(tensor))
-    assert_rows_close(got, expected, 1e-4, f"gemv {rows}x{cols} g{group} rows {padded} {plan}")
+    expected = batch_k.gemv_reference(h, batch_k.weight_reference(tensor))
+    assert_rows_close(got, expected, 1e-4, f"gemv {encoding} {rows}x{cols} g{group} rows {padded} {plan}")
 
 
 @pytest.mark.parametrize("head_dim, n_heads, n_kv", [(64, 32, 4), (128, 32, 32), (64, 12, 12), (96, 12, 6),
@@ -178,15 +184,23 @@ def test_rmsnorm_swiglu_and_logits_match_their_references(cupy_gpu, mod):
 
 # ------------------------------------------------------------------------------------- engine
 
-@pytest.fixture(scope="module", params=list(CONFIG_FILES), ids=str)
+@pytest.fixture(scope="module", params=[("tinyllama", "q4"), ("llama-2-7b", "q4"), ("tinyllama", "q8"),
+                                        ("tinyllama", "f16")], ids=lambda p: f"{p[0]}-{p[1]}")
 def case(request, tmp_path_factory, shared_assets, cupy_gpu):
-    shape = request.param
+    shape, quant = request.param
     config = tinf_config(json.loads((shared_assets / CONFIG_FILES[shape]).read_text()), n_layers=2)
     config["max_context"] = CONTEXT
-    path = write_random_model(tmp_path_factory.mktemp("batch") / f"{shape}-q4.tinf", config, "q4", seed=len(shape))
+    path = write_random_model(tmp_path_factory.mktemp("batch") / f"{shape}-{quant}.tinf", config, quant,
+                              seed=len(shape) + len(quant))
     model = load(path, device="cuda")
-    yield {"name": shape, "path": path, "model": model, "reference": NumpyBackend(open_tinf(path), max_context=CONTEXT)}
+    yield {"name": f"{shape}-{quant}", "quant": quant, "path": path, "model": model,
+           "reference": NumpyBackend(open_tinf(path), max_context=CONTEXT)}
     model.close()
+
+
+def q4_only(case) -> None:
+    if case["quant"] != "q4":
+        pytest.skip("the engine's API is encoding-blind: checked on q4")
 
 
 def run_schedule(engine, prompts, budgets, params, cancel_at: dict, max_steps: int = 2000):
@@ -277,6 +291,7 @@ def test_sequences_joining_and_leaving_match_single_stream_logits(case):
 def test_a_seed_gives_the_same_tokens_in_a_batch_and_alone(case):
     """Sampling draws one uniform per token, so the batch's sampled tokens are generate_ids' for the
     same seed wherever the logits agree (random models: compared on the first 3 tokens only)."""
+    q4_only(case)
     from tinyinfer.runtime.cuda_batch import BatchEngine
 
     backend = case["model"].backend
@@ -298,6 +313,7 @@ def test_a_seed_gives_the_same_tokens_in_a_batch_and_alone(case):
 
 
 def test_engine_refusals(case, monkeypatch):
+    q4_only(case)
     from tinyinfer.runtime import cuda_batch
 
     backend = case["model"].backend
@@ -321,6 +337,7 @@ def test_engine_refusals(case, monkeypatch):
 
 
 def test_generate_batch_uses_the_engine(case, monkeypatch):
+    q4_only(case)
     from tinyinfer.runtime import cuda_batch
 
     made = []

@@ -285,7 +285,7 @@ def test_kernel_compiles_with_nvrtc(name, cc):
         "mlp.cu": [mlp.name_expression(mlp.MlpShape(GemvShape(e, g, 512, 256, 256, "rmsnorm", "swiglu"),
                                                     GemvShape(e, g, 256, 256, 256, "plain", "add")), config)
                    for e, g in [("q4", 64), ("q8", 32), ("f16", 0)] for config in mlp.CANDIDATES],
-        "batch.cu": [f"batch_gemv_q4<{nb}>" for nb in batch.GEMV_NB],
+        "batch.cu": [batch.gemv_name(e, 8 * nb) for e in batch.ENCODING_ID for nb in batch.GEMV_NB],
     }.get(name, [])
     program = nvrtc.createProgram(build.expanded_source(name), name, [], [])
     for expression in expressions:
