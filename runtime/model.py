@@ -235,7 +235,7 @@ class Model:
         budgets = [self.new_token_budget(len(i), max_tokens) for i in ids]
         seeds = [None if seed is None else seed + i for i in range(len(ids))]
         context = max(len(i) + n for i, n in zip(ids, budgets))
-        engine = self._batch_engine(len(ids) if parallel is None else parallel, context)
+        engine = self._batch_engine(len(ids), parallel, context)
         if engine is None:
             return ["".join(self._stream(i, params, n, np.random.default_rng(s), StopStrings(None)))
                     for i, n, s in zip(ids, budgets, seeds)]
@@ -252,18 +252,25 @@ class Model:
             texts.append("".join(detok.step(t) for t in kept) + detok.flush())
         return texts
 
-    def _batch_engine(self, parallel: int, context: int):
+    def _batch_engine(self, n_prompts: int, parallel: int | None, context: int):
         """A BatchEngine over this model's GPU backend, or None where batched decoding does not apply
-        (the CPU backend, or a model its kernels do not read: DeviceError from cuda_batch.check_model)."""
-        if not hasattr(self.backend, "stream") or parallel < 2:
-            return None
+        (the CPU backend, one sequence at a time, or a model its kernels do not read: DeviceError from
+        cuda_batch.check_model). Without `parallel`, as many slots as prompts, or as many as fit."""
         from tinyinfer.runtime import cuda_batch
 
+        slots = min(n_prompts if parallel is None else parallel, cuda_batch.MAX_SLOTS)
+        if not hasattr(self.backend, "stream") or slots < 2:
+            return None
         try:
             cuda_batch.check_model(self.tinf)
         except DeviceError:
             return None
-        return cuda_batch.BatchEngine(self.backend, slots=min(parallel, cuda_batch.MAX_SLOTS), max_context=context)
+        try:
+            return cuda_batch.BatchEngine(self.backend, slots=slots, max_context=context)
+        except DeviceError:
+            if parallel is not None:
+                raise
+            return cuda_batch.BatchEngine(self.backend, slots=None, max_context=context)
 
     def reusable_prefix(self, ids: list[int], params: SamplingParams) -> int:
         """How many leading ids already have K/V in the cache (a chat's earlier turns), so only the rest
