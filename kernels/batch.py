@@ -103,12 +103,13 @@ def make_gemv(mod, encoding: str, plan: GemvPlan, weight_ptr: int, scale_ptr: in
               name: str = "batch_gemv") -> Launch:
     """scale_ptr and group are ignored for f16 (pass 0)."""
     assert plan.piece_cols == PIECE_COLS[encoding]
+    from tinyinfer.kernels.layout import row_bytes
+
     kernel = mod.get_function(gemv_name(encoding, plan.padded))
-    bits = {"f16": 16, "q8": 8, "q4": 4}[encoding]
     return Launch(name, kernel, plan.grid, (GEMV_WARPS * 32,), (
         np.uint64(weight_ptr), np.uint64(scale_ptr), np.int32(plan.rows), np.int32(plan.kpad), np.int32(group or 32),
         h, np.int32(ldh), np.int32(plan.pieces_per_slice), np.int32(plan.tiles_per_block), parts),
-        shared_mem=plan.shared_bytes, bytes_read=plan.rows * plan.kpad * bits // 8, waits=True)
+        shared_mem=plan.shared_bytes, bytes_read=plan.rows * row_bytes(encoding, plan.kpad), waits=True)
 
 
 def slice_args(parts, plan: GemvPlan | None):
