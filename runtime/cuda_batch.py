@@ -13,8 +13,9 @@ its RoPE tables, its stream and its prefill kernels. What it adds:
                              -> rmsnorm (+= o) -> GEMV gate/up -> swiglu -> GEMV down ]
               -> rmsnorm (+= down) -> GEMV output -> logits + greedy argmax per row
 
-  - scheduling: submit() puts a prompt in a free slot, each step() first prefills one chunk of
-    a waiting prompt into its slot (cuda_prefill's kernels over the slot's cache), then decodes
+    (q4, q8 or f16 linears: kernels/batch.cu; the kernels launched early, as in the batch-1 step);
+  - scheduling: submit() puts a prompt in a free slot, each step() first prefills up to one chunk
+    of the waiting prompts into their slots (cuda_prefill's kernels over a slot's cache), then decodes
     every sequence whose prompt is in; a sequence leaves at its stop token, its token budget, or
     cancel(), and its slot is free for the next submit() at once.
 
