@@ -350,3 +350,201 @@ def test_every_launch_of_the_step_passes_its_kernel_parameters(tmp_path, monkeyp
                     assert isinstance(arg, (np.ndarray, np.uint64)), f"{name}: {param} gets {type(arg)}"
                 else:
                     assert type(arg) is types[kind], f"{name}: {param} gets {type(arg).__name__}"
+
+
+# ------------------------------------------------------- the whole step on the CPU, kernels emulated
+
+def as_array(pointer_or_array, dtype, count: int, registry: dict) -> np.ndarray:
+    """A kernel argument as a NumPy view: an engine buffer, or a raw pointer into a registered one."""
+    if isinstance(pointer_or_array, np.ndarray):
+        return pointer_or_array.reshape(-1).view(np.uint8).view(dtype)[:count] if count else pointer_or_array
+    address = int(pointer_or_array)
+    for base, buffer in registry.items():
+        if base <= address < base + buffer.nbytes:
+            return buffer.reshape(-1).view(np.uint8)[address - base:].view(dtype)[:count]
+    raise AssertionError(f"pointer {address:#x} into no known buffer")
+
+
+class EmulatedKernel(FakeKernel):
+    """A batch.cu or prefill.cu kernel run by its NumPy reference, reading and writing the engine's
+    host buffers through the very arguments the launch passes (pointers, strides, counts)."""
+
+    def __init__(self, name, world):
+        super().__init__(name)
+        self.world = world
+
+    def __call__(self, grid, block, args, shared_mem=0, stream=None):
+        if self.world["capturing"] is not None:
+            self.world["capturing"].append((self, grid, args))
+            return
+        getattr(self, "run_" + self.name.split("<")[0])(grid, args)
+
+    def run_embed_rows(self, grid, args):
+        table, _, cols_pad, dim, ids, x = args
+        rows = np.asarray(table).view(np.float16).reshape(-1, int(cols_pad))
+        x[: grid[0]] = rows[np.asarray(ids)[: grid[0]], : int(dim)]
+
+    def parts(self, parts, n_slices, stride, n_rows, width):
+        total = np.zeros((n_rows, width), np.float32)
+        for s in range(int(n_slices)):
+            total += parts[s * int(stride):].reshape(-1)[: n_rows * width].reshape(n_rows, width)
+        return total
+
+    def run_batch_rmsnorm(self, grid, args):
+        x, parts, n_slices, stride, w, dim, eps, out, ldo = args
+        n = grid[0]
+        x[:n] += self.parts(parts, n_slices, stride, n, int(dim))
+        out.reshape(-1, int(ldo))[:n, : int(dim)] = batch_k.rmsnorm_reference(x[:n], np.asarray(w), float(eps))
+
+    def run_batch_gemv(self, grid, args):
+        w_ptr, _, rows, kpad, _, h, ldh, per_slice, _, parts = args
+        name = self.world["weights"][int(w_ptr)]
+        weight = batch_k.weight_reference(self.world["tinf"].tensor(name)).astype(np.float64)
+        padded = batch_k.ROW_CHUNK * int(self.name.split(",")[1].rstrip(">"))
+        cols = int(per_slice) * batch_k.PIECE_COLS[self.world["tinf"].info(name).encoding]
+        hh = np.asarray(h).reshape(-1, int(ldh))[:padded, : int(kpad)].astype(np.float64)
+        for s in range(grid[1]):                     # each slice its own partial sums, as the kernel
+            part = hh[:, s * cols: (s + 1) * cols] @ weight[:, s * cols: (s + 1) * cols].T
+            parts.reshape(-1)[s * padded * int(rows): (s + 1) * padded * int(rows)] = part.reshape(-1)
+
+    def run_batch_rope_store(self, grid, args):
+        (parts, n_slices, stride, bias, positions, slots, n_heads, n_kv, hd, cos, sin, _, q_out, k_cache,
+         v_cache, slot_stride) = args
+        n, n_heads, n_kv, hd = grid[0], int(n_heads), int(n_kv), int(hd)
+        qkv = self.parts(parts, n_slices, stride, n, (n_heads + 2 * n_kv) * hd)
+        pos, slot = np.asarray(positions)[:n], np.asarray(slots)[:n]
+        q, k, v = batch_k.rope_store_reference(qkv, pos, n_heads, n_kv, hd, cos, sin,
+                                               None if isinstance(bias, np.uint64) else np.asarray(bias))
+        q_out[:n] = q.reshape(n, -1)
+        for r in range(n):
+            at = int(slot[r]) * int(slot_stride) + int(pos[r]) * n_kv * hd
+            k_cache.reshape(-1)[at: at + n_kv * hd] = k[r].reshape(-1)
+            v_cache.reshape(-1)[at: at + n_kv * hd] = v[r].reshape(-1)
+
+    def run_batch_attention(self, grid, args):
+        q, k_cache, v_cache, slot_stride, positions, slots, n_heads, _, hd, window, _, out, ldo = args
+        n, n_heads, hd = grid[1], int(n_heads), int(hd)
+        shape = (-1, int(slot_stride) // (grid[0] * hd), grid[0], hd)
+        got = batch_k.attention_reference(np.asarray(q)[:n].reshape(n, n_heads, hd), k_cache.reshape(shape),
+                                          v_cache.reshape(shape), np.asarray(positions)[:n],
+                                          np.asarray(slots)[:n], int(window) or None)
+        out.reshape(-1, int(ldo))[:n, : n_heads * hd] = got
+
+    def run_batch_swiglu(self, grid, args):
+        parts, n_slices, stride, n_rows, ffn, out, ldo = args
+        gate_up = self.parts(parts, n_slices, stride, int(n_rows), 2 * int(ffn))
+        out.reshape(-1, int(ldo))[: int(n_rows), : int(ffn)] = batch_k.swiglu_reference(gate_up)
+
+    def run_batch_logits(self, grid, args):
+        parts, n_slices, stride, vocab, logits, best = args
+        n = grid[0]
+        logits[:n] = self.parts(parts, n_slices, stride, n, int(vocab))
+        best[:n] = np.argmax(logits[:n], axis=-1)
+
+
+def test_the_engine_step_computes_each_sequences_logits(tmp_path, monkeypatch):
+    """The engine with every kernel replaced by its NumPy reference, fed the launches' own arguments:
+    the step's wiring (buffers, leading dimensions, slices, slots and positions of rows, the padding
+    rows, graphs replayed for later steps, prefill into a slot) gives each sequence the logits of the
+    NumPy reference run on that sequence alone, for sequences joining and leaving at different steps."""
+    import ctypes
+
+    from tinyinfer.formats import open_tinf
+    from tinyinfer.runtime import cuda_batch, cuda_prefill
+    from tinyinfer.runtime import reference as ref
+    from tinyinfer.runtime.bench import tinf_config
+    from tinyinfer.runtime.numpy_backend import NumpyBackend
+
+    config = tinf_config({"hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2,
+                          "intermediate_size": 384, "vocab_size": 512, "num_hidden_layers": 2,
+                          "max_position_embeddings": 64})
+    tinf = open_tinf(write_random_model(tmp_path / "m.tinf", config, "q4", seed=3))
+    world = {"capturing": None, "tinf": tinf, "weights": {}}
+    views, registry = {}, {}
+
+    def view(self, name):
+        if name not in views:
+            tensor = tinf.tensor(name)
+            if len(tensor.shape) == 1 or tensor.encoding != "q4":
+                raw = np.ascontiguousarray(tensor.data).view(np.uint8).reshape(-1)
+            else:
+                raw = np.zeros(tinf.info(name).nbytes, np.uint8)      # the emulated GEMV reads the tensor itself
+            views[name] = raw.copy().view(HostArray)
+            registry[views[name].ctypes.data] = views[name]
+            world["weights"][views[name].ctypes.data] = name
+        return views[name]
+
+    class Stream(FakeStream):
+        def synchronize(self):
+            pass
+
+        def begin_capture(self):
+            world["capturing"] = []
+
+        def end_capture(self):
+            calls, world["capturing"] = world["capturing"], None
+
+            class Graph:
+                def upload(self, stream):
+                    pass
+
+                def launch(self, stream):
+                    for kernel, grid, args in calls:
+                        getattr(kernel, "run_" + kernel.name.split("<")[0])(grid, args)
+            return Graph()
+
+    class Runtime(FakeCupy.cuda.runtime):
+        @staticmethod
+        def memcpyAsync(dst, src, nbytes, kind, stream):
+            ctypes.memmove(dst, src, nbytes)
+
+    class Cupy(FakeCupy):
+        class cuda(FakeCupy.cuda):
+            runtime = Runtime
+
+    monkeypatch.setattr(HostArray, "get", lambda self, stream=None: np.array(self), raising=False)
+    cos, sin = ref.rope_tables(config["head_dim"], 64, 10000.0, None)
+    backend = type("Backend", (), {
+        "cp": Cupy, "tinf": tinf, "config": tinf.config, "max_context": 64, "n_sms": 4, "pdl": False,
+        "compute_capability": 90, "stream": Stream(), "rope_cos": cos, "rope_sin": sin, "view": view,
+        "f32_view": lambda self, name: view(self, name).view(np.float32).view(HostArray),
+    })()
+    module = type("Module", (), {"get_function": lambda self, name: EmulatedKernel(name, world)})()
+    monkeypatch.setattr(cuda_batch.batch_k, "compile_batch", lambda cc: module)
+    monkeypatch.setattr(cuda_batch.cuda_prefill, "CudaOps", lambda b, chunk: type("Ops", (), {"mod": module, "chunk": chunk})())
+    monkeypatch.setattr(cuda_batch, "pinned_empty", lambda n, dtype: np.zeros(n, dtype))
+    engine = cuda_batch.BatchEngine(backend, slots=3, max_context=64, prefill_chunk=8, keep_logits=True)
+
+    def prefill_span(slot, ids, start):              # prefill's NumPy steps over the slot's cache
+        ops = cuda_prefill.NumpyOps(tinf, 64)
+        ops.k_cache, ops.v_cache = engine.k_cache[:, slot], engine.v_cache[:, slot]
+        cuda_prefill.run_prefill(ops, tinf.config, ids, start, 8, None)
+
+    engine.prefill_span = prefill_span
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(0, 512, n) for n in (5, 1, 12, 3)]
+    budgets = [6, 4, 3, 5]
+    owner, queue, rows = {}, [0, 1, 2, 3], {i: [] for i in range(4)}
+    generated = {i: [] for i in range(4)}
+    for _ in range(40):
+        while queue and engine.free_slots():
+            i = queue.pop(0)
+            owner[engine.submit(prompts[i], max_new_tokens=budgets[i])] = i
+        if not engine.has_work():
+            break
+        for slot, event in engine.step().items():
+            i = owner[slot]
+            generated[i].append(event.token)
+            rows[i].append(engine.last_logits[slot])
+            if event.finish_reason:
+                del owner[slot]
+    assert [len(generated[i]) for i in range(4)] == budgets
+    assert set(engine.graphs) >= {1, 2, 4}, "later steps replay captured graphs"
+    reference = NumpyBackend(tinf, max_context=64)
+    for i, prompt in enumerate(prompts):
+        ids = np.concatenate([prompt, np.asarray(generated[i][:-1], dtype=np.int64)])
+        expected = reference.forward(ids, 0)[prompt.size - 1:]
+        ours = np.stack(rows[i])
+        errors = np.linalg.norm(ours - expected, axis=-1) / np.linalg.norm(expected, axis=-1)
+        assert errors.max() <= 2e-3, f"prompt {i}: relative error {errors.max():.2e}"
+        assert generated[i] == list(ours.argmax(-1))
