@@ -81,7 +81,8 @@ def emulate_gemv(encoding: str, blocked: np.ndarray, rows: int, kpad: int, group
                                 low, high = a_values(encoding, words, 2 * j + half, scale)
                                 a[8 * hi + g, 2 * t: 2 * t + 2] = low
                                 a[8 * hi + g, 2 * t + 8: 2 * t + 10] = high
-                            quad = staged_quad(encoding, h[nb * 8 + g], piece * piece_cols + piece_cols // 4 * t + 8 * j)
+                            column = piece * piece_cols + piece_cols // 4 * t + 8 * j
+                            quad = staged_quad(encoding, h[nb * 8 + g], column)
                             b[2 * t: 2 * t + 2, g] = quad[2 * half]
                             b[2 * t + 8: 2 * t + 10, g] = quad[2 * half + 1]
                         d += a @ b
@@ -511,7 +512,8 @@ def test_the_engine_step_computes_each_sequences_logits(tmp_path, monkeypatch):
     })()
     module = type("Module", (), {"get_function": lambda self, name: EmulatedKernel(name, world)})()
     monkeypatch.setattr(cuda_batch.batch_k, "compile_batch", lambda cc: module)
-    monkeypatch.setattr(cuda_batch.cuda_prefill, "CudaOps", lambda b, chunk: type("Ops", (), {"mod": module, "chunk": chunk})())
+    ops = type("Ops", (), {"mod": module})()
+    monkeypatch.setattr(cuda_batch.cuda_prefill, "CudaOps", lambda b, chunk: ops)
     monkeypatch.setattr(cuda_batch, "pinned_empty", lambda n, dtype: np.zeros(n, dtype))
     engine = cuda_batch.BatchEngine(backend, slots=3, max_context=64, prefill_chunk=8, keep_logits=True)
 
