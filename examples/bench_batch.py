@@ -100,6 +100,8 @@ def bench_shape(shape: str, streams: list[int], prompt_len: int, n_tokens: int, 
         for n in streams:
             run = run_streams(engine, prompts[:n], n_tokens)
             steps = run["full_steps"]
+            if not steps:
+                raise SystemExit(f"no step had all {n} streams decoding: ask for more --new-tokens")
             step_ms = 1e3 * statistics.median(steps)
             moved = step_bytes(engine, n, prompt_len + n_tokens / 2)
             est_ms = {k: round(v / (peak * 1e9) * 1e3, 3) for k, v in moved.items()}
