@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from functools import lru_cache
 from importlib import resources
 
-SOURCES = ("common.cuh", "gemv.cu", "mlp.cu", "attention.cu", "sampling.cu", "misc.cu", "prefill.cu")
+SOURCES = ("common.cuh", "gemv.cu", "mlp.cu", "attention.cu", "sampling.cu", "misc.cu", "prefill.cu", "batch.cu")
 INCLUDE = re.compile(r'^#include "([\w.]+)"\s*$', re.MULTILINE)
 MIN_COMPUTE_CAPABILITY = 75
 COMPILED_S = 0.2       # a module that took longer to get was compiled, not found in the cache

@@ -27,3 +27,7 @@ class ChatTemplateError(TinyInferError):
 
 class SamplingError(TinyInferError):
     """A sampling parameter is out of range."""
+
+
+class SlotsFullError(TinyInferError):
+    """Every sequence slot of a batched engine is busy."""

@@ -215,6 +215,63 @@ class Model:
         n_new = self.new_token_budget(len(ids), max_tokens)
         return self._stream(ids, params, n_new, np.random.default_rng(seed), StopStrings(stop))
 
+    def generate_batch(self, prompts, *, chat: bool | None = None, system: str | None = None,
+                       max_tokens: int | None = None, temperature: float | None = None, top_k: int | None = None,
+                       top_p: float | None = None, min_p: float | None = None,
+                       repetition_penalty: float | None = None, seed: int | None = None,
+                       parallel: int | None = None, **template_kwargs) -> list[str]:
+        """The continuation of every prompt, for offline batch jobs: decoded together on the GPU
+        (runtime/cuda_batch.py: up to `parallel` at once), else one after the other as
+        generate() would. Prompt i samples with seed + i (seed None: unseeded); each stops at
+        max_tokens or an end-of-sequence id. Every prompt is checked before any work."""
+        prompts = list(prompts)
+        if not prompts:
+            return []
+        ids = [self.prompt_ids(p, chat, system, **template_kwargs) for p in prompts]
+        if not all(ids):
+            raise ValueError("a prompt is empty and the model has no BOS token; pass some text.")
+        params = self.sampling_params(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                                      repetition_penalty=repetition_penalty)
+        budgets = [self.new_token_budget(len(i), max_tokens) for i in ids]
+        seeds = [None if seed is None else seed + i for i in range(len(ids))]
+        context = max(len(i) + n for i, n in zip(ids, budgets))
+        engine = self._batch_engine(len(ids), parallel, context)
+        if engine is None:
+            return ["".join(self._stream(i, params, n, np.random.default_rng(s), StopStrings(None)))
+                    for i, n, s in zip(ids, budgets, seeds)]
+        from tinyinfer.runtime.cuda_batch import generate_batch_ids
+
+        try:
+            outputs = generate_batch_ids(engine, ids, [params] * len(ids), budgets, seeds, self.tokenizer.eos_ids)
+        finally:
+            engine.close()
+        texts = []
+        for prompt_ids, generated in zip(ids, outputs):
+            detok = self.tokenizer.stream(prefix_ids=prompt_ids)
+            kept = generated[:-1] if generated and generated[-1] in self.tokenizer.eos_ids else generated
+            texts.append("".join(detok.step(t) for t in kept) + detok.flush())
+        return texts
+
+    def _batch_engine(self, n_prompts: int, parallel: int | None, context: int):
+        """A BatchEngine over this model's GPU backend, or None where batched decoding does not apply
+        (the CPU backend, one sequence at a time, or a model its kernels do not read: DeviceError from
+        cuda_batch.check_model). Without `parallel`, as many slots as prompts, or as many as fit."""
+        from tinyinfer.runtime import cuda_batch
+
+        slots = min(n_prompts if parallel is None else parallel, cuda_batch.MAX_SLOTS)
+        if not hasattr(self.backend, "stream") or slots < 2:
+            return None
+        try:
+            cuda_batch.check_model(self.tinf)
+        except DeviceError:
+            return None
+        try:
+            return cuda_batch.BatchEngine(self.backend, slots=slots, max_context=context)
+        except DeviceError:
+            if parallel is not None:
+                raise
+            return cuda_batch.BatchEngine(self.backend, slots=None, max_context=context)
+
     def reusable_prefix(self, ids: list[int], params: SamplingParams) -> int:
         """How many leading ids already have K/V in the cache (a chat's earlier turns), so only the rest
         is prefilled. At least one id is always forwarded, for its logits. The repetition penalty looks at

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Everything the CUDA backend needs checked on a real GPU, in one call:
 #   tests/gpu_run.sh [STAGE ...]   stages: env ncu kernels model prefill bench bench-all bench:SHAPE:QUANT
-#                                  nopdl:SHAPE:QUANT (bench with TINYINFER_PDL=0)
+#                                  nopdl:SHAPE:QUANT (bench with TINYINFER_PDL=0), batch (batched
+#                                  decoding's GPU tests), bench-batch (examples/bench_batch.py)
 #                                  (default: env kernels model prefill bench; KERNELS_K=expr filters kernels)
 # Installs the package, runs `pytest -m gpu`, benchmarks random-weight models, and leaves the logs
 # in $OUT (results.tar.gz plus summary.txt, printed last). Test assets must be in ./gpu_assets
@@ -83,6 +84,12 @@ print(f"  prefill: pp512 {p.get('pp512', 0):.0f} tok/s, pp2048 {p.get('pp2048', 
       f"first token after 512 prompt tokens {p.get('ttft512_ms', 0):.1f} ms")
 EOF
 }
+if has batch; then gpu_pytest batch test_batch_gpu.py ${BATCH_TIMEOUT:-500}; fi
+if has bench-batch; then   # batched decoding at 1-32 streams (examples/bench_batch.py)
+    timeout ${BATCH_BENCH_TIMEOUT:-400} $PY examples/bench_batch.py ${BATCH_BENCH_ARGS:-} --json "$LOGS/bench-batch.json" \
+        > "$LOGS/bench-batch.log" 2>&1 || note "bench_batch: failed or timed out, see bench-batch.log"
+    grep -E "^\||q4 on|B=" "$LOGS/bench-batch.log" | cut -c1-400 | tee -a "$SUMMARY"
+fi
 if has bench; then
     bench tinyllama q4
     bench llama2-7b q4

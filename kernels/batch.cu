@@ -1,0 +1,474 @@
+// Batched decode: one step for B sequences (B up to 32), each weight read once for all of them.
+//
+// Rows of a step are sequences: row b has its own token, position and KV-cache slot (the row table,
+// batch.py). The step, per layer (runtime/cuda_batch.py):
+//
+//   batch_rmsnorm      x[b] += the previous linear's partial sums; h = rms_norm(x[b]) * w as fp16
+//   batch_gemv         parts[s][b][n] = sum over slice s of K of W[n][k] h[b][k]   (tensor cores; q4, q8, f16)
+//   batch_rope_store   qkv = sum_s parts (+ bias); q rotated (times 1/sqrt(hd)); k, v into the slot's cache
+//   batch_attention    each row over its own slot's positions first_key(pos)..pos -> fp16
+//   batch_swiglu       silu(gate) * up from the gate/up parts -> fp16
+//   batch_logits       logits[b] = sum_s parts; greedy argmax per row (lowest id on ties)
+//
+// The linears write partial sums per K slice instead of adding them with atomics, and the next
+// kernel adds the slices in a fixed order, so a step's results do not depend on block timing.
+// Programmatic dependent launch (kernels/pdl.py): every kernel lets the next one launch at its top
+// and waits (pdl_wait) before its first read of an activation; the GEMV requests its first weights
+// before that. Activations are read through pointers without __restrict__ (plain loads) or with
+// __ldcg, never ld.global.nc, which ptxas may move above the wait (kernels/README.md).
+// Plain kernels are extern "C"; the GEMV template goes through NVRTC name expressions.
+#include "common.cuh"
+
+#define BG_WARPS 8          // warps per GEMV block, each on its own 16-row tiles
+#define BG_F16 0            // weight encodings (template argument ENC)
+#define BG_Q8 1
+#define BG_Q4 2
+
+// Columns of one 64-byte piece of a row (kernels/layout.py), and the k-steps of one lane's 16 bytes.
+template <int ENC> struct BatchEncoding {
+    static constexpr int piece_cols = ENC == BG_Q4 ? 128 : ENC == BG_Q8 ? 64 : 32;
+    static constexpr int steps = piece_cols / 16;
+    static constexpr int quads = steps / 2;     // staged uint4 of h per lane and piece (two k-steps each)
+    static constexpr int bits = ENC == BG_Q4 ? 4 : ENC == BG_Q8 ? 8 : 16;
+};
+
+// Two weights of one u32 of nibbles, (n - 8) as exact fp16: nibbles at bits shift and shift + 16
+// into 1024 + n (0x6400 is 1024.0), minus 1032.
+TI_DEVICE __half2 q4_pair(u32 w, int shift) {
+    const u32 bits = ((w >> shift) & 0x000F000Fu) | 0x64006400u;
+    return __hsub2(*reinterpret_cast<const __half2*>(&bits), __float2half2_rn(1032.f));
+}
+
+TI_DEVICE u32 scaled_pair(u32 w, int shift, __half2 scale) {
+    return as_u32(__hmul2(q4_pair(w, shift), scale));
+}
+
+// Two int8 weights of a u32 (bytes at selector positions), exact as fp16: (v ^ 0x80) = v + 128 into
+// the low byte of 1024 + u, minus 1152; then the scale.
+TI_DEVICE u32 q8_scaled_pair(u32 w, u32 selector, __half2 scale) {
+    const u32 bits = __byte_perm(w ^ 0x80808080u, 0x64646464u, selector);
+    return as_u32(__hmul2(__hsub2(*reinterpret_cast<const __half2*>(&bits), __float2half2_rn(1152.f)), scale));
+}
+
+TI_DEVICE u32 word_of(const uint4& v, int j) {
+    return j == 0 ? v.x : j == 1 ? v.y : j == 2 ? v.z : v.w;
+}
+
+// One item of a warp: 16 rows (two 8-row blocks) x one piece, and the rows' scales (q4, q8).
+struct WeightItem {
+    uint4 lo, hi;           // row g and row g + 8 of the tile (the lane's 16 bytes of each)
+    __half s_lo, s_hi;      // their scales for the lane's columns
+};
+
+// A's registers (a0 row g, a1 row g + 8 at k slots 2t, 2t+1; a2, a3 at 2t+8, 2t+9) of k-step s.
+// q4: word s / 2, nibbles at shifts 0 / 4 (s even: columns 0,4 and 1,5 of the word) or 8 / 12
+// (2,6 and 3,7). q8: word s, bytes 0,1 and 2,3. f16: words 2s and 2s + 1 as they are.
+template <int ENC>
+TI_DEVICE void a_fragment(const WeightItem& it, int s, __half2 s_lo, __half2 s_hi, u32 (&a)[4]) {
+    if (ENC == BG_Q4) {
+        const u32 wl = word_of(it.lo, s >> 1), wh = word_of(it.hi, s >> 1);
+        const int shift = 8 * (s & 1);
+        a[0] = scaled_pair(wl, shift, s_lo);
+        a[1] = scaled_pair(wh, shift, s_hi);
+        a[2] = scaled_pair(wl, shift + 4, s_lo);
+        a[3] = scaled_pair(wh, shift + 4, s_hi);
+    } else if (ENC == BG_Q8) {
+        const u32 wl = word_of(it.lo, s), wh = word_of(it.hi, s);
+        a[0] = q8_scaled_pair(wl, 0x5140u, s_lo);
+        a[1] = q8_scaled_pair(wh, 0x5140u, s_hi);
+        a[2] = q8_scaled_pair(wl, 0x5342u, s_lo);
+        a[3] = q8_scaled_pair(wh, 0x5342u, s_hi);
+    } else {
+        a[0] = word_of(it.lo, 2 * s);
+        a[1] = word_of(it.hi, 2 * s);
+        a[2] = word_of(it.lo, 2 * s + 1);
+        a[3] = word_of(it.hi, 2 * s + 1);
+    }
+}
+
+// h's 8 columns for one staged uint4 in the order of a_fragment's k slots: (b0, b1) of two k-steps.
+// q8 and f16 take columns in their order; q4 pairs columns 0,4 / 1,5 (k-step 2j) and 2,6 / 3,7.
+template <int ENC>
+TI_DEVICE uint4 staged_quad(uint4 v) {
+    if (ENC != BG_Q4) return v;
+    uint4 f;
+    f.x = __byte_perm(v.x, v.z, 0x5410);    // columns 0, 4: k-step 2j, b0
+    f.y = __byte_perm(v.x, v.z, 0x7632);    // columns 1, 5: k-step 2j, b1
+    f.z = __byte_perm(v.y, v.w, 0x5410);    // columns 2, 6: k-step 2j + 1, b0
+    f.w = __byte_perm(v.y, v.w, 0x7632);    // columns 3, 7: k-step 2j + 1, b1
+    return f;
+}
+
+// y = W h for NB * 8 rows of h at once, W in 8-row blocks (layout.py; rows a multiple of 8, rows of
+// whole 64-byte pieces), q4/q8 groups a multiple of 32.
+//
+// mma.m16n8k16 with A = 16 weight rows, B = 8 rows of h. The sum over k does not care which column
+// sits in which k slot as long as A and B agree, so lane (g, t) feeds its own 16-byte load: row g
+// (and g + 8), columns piece_cols / 4 * t .. of the piece (within one group: one scale). q4: word j
+// of the load holds columns 8 j .. 8 j + 7; k-step 2 j takes columns (0, 4) as A's k slots 2t, 2t+1
+// and (1, 5) as 2t+8, 2t+9, k-step 2 j + 1 columns (2, 6) and (3, 7): nibble masks at shifts 0 / 4
+// and 8 / 12. q8 and f16 take the lane's columns in order, four per k-step. h is staged once per
+// block in shared memory in exactly that order (staged_quad: a uint4 per lane holds b0/b1 of two
+// k-steps). Quantized weights are rounded to fp16 as (n - 8) * scale or v * scale, as prefill's
+// dequantization rounds them.
+//
+// Grid (row groups of tiles_per_block tiles, K slices of pieces_per_slice pieces); block BG_WARPS
+// warps, warp w takes tiles w, w + BG_WARPS, ... of its group over its slice, two items' loads in
+// flight ahead of the products. Dynamic shared memory: NB * 8 rows x the slice's columns, fp16.
+template <int ENC, int NB>
+__global__ void __launch_bounds__(BG_WARPS * 32, 2) batch_gemv(
+    const unsigned char* __restrict__ w, const __half* __restrict__ scales, int rows, int kpad, int group,
+    const __half* h, int ldh,                 // [NB * 8][ldh] fp16, columns kpad of them read
+    int pieces_per_slice, int tiles_per_block,
+    float* __restrict__ parts)                // [gridDim.y][NB * 8][rows]
+{
+    extern __shared__ __align__(16) unsigned char bg_smem[];
+    using E = BatchEncoding<ENC>;
+    uint4* hs = reinterpret_cast<uint4*>(bg_smem);      // [piece][NB][quad][lane]
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int n_pieces = kpad / E::piece_cols;
+    const int p0 = blockIdx.y * pieces_per_slice;
+    const int np = min(pieces_per_slice, n_pieces - p0);
+    const int n_tiles = (rows + 15) >> 4;
+    const int groups = ENC == BG_F16 ? 0 : kpad / group;
+    const size_t row_bytes = (size_t)kpad * E::bits / 8;
+    const int first_tile = blockIdx.x * tiles_per_block + warp;
+    const int tile_end = min(n_tiles, (int)(blockIdx.x + 1) * tiles_per_block);
+    const int my_tiles = first_tile < tile_end ? (tile_end - first_tile + BG_WARPS - 1) / BG_WARPS : 0;
+    const int n_items = my_tiles * np;
+
+    auto load_item = [&](int k) {
+        WeightItem it;
+        const int tile = first_tile + (k / np) * BG_WARPS, piece = p0 + k % np;
+        const bool has_hi = tile * 16 + 8 < rows;
+        const unsigned char* block_lo = w + (size_t)tile * 16 * row_bytes + (size_t)piece * 512 + g * 64 + 16 * t;
+        it.lo = load_stream(block_lo);
+        it.hi = has_hi ? load_stream(block_lo + 8 * row_bytes) : make_uint4(0u, 0u, 0u, 0u);
+        it.s_lo = it.s_hi = __float2half(0.f);
+        if (ENC != BG_F16) {
+            const int scale_col = 8 * ((piece * E::piece_cols + E::piece_cols / 4 * t) / group) + g;
+            const __half* scale_lo = scales + (size_t)tile * 16 * groups + scale_col;
+            it.s_lo = scale_lo[0];
+            if (has_hi) it.s_hi = scale_lo[8 * groups];
+        }
+        return it;
+    };
+
+    // The first two items' weights are requested before the previous kernel has finished.
+    pdl_launch_dependents();
+    WeightItem cur, next;
+    if (n_items > 0) cur = load_item(0);
+    if (n_items > 1) next = load_item(1);
+    pdl_wait();
+
+    const int stage_items = NB * 8 * np * 4 * E::quads;  // (row b, piece, lane t, quad j), j fastest
+    for (int i = threadIdx.x; i < stage_items; i += blockDim.x) {
+        const int j = i % E::quads, tt = (i / E::quads) & 3, rest = i / (4 * E::quads);
+        const int p = rest % np, b = rest / np;
+        const uint4 v = __ldcg(reinterpret_cast<const uint4*>(h + (size_t)b * ldh + (size_t)(p0 + p) * E::piece_cols
+                                                              + E::piece_cols / 4 * tt + 8 * j));
+        hs[((p * NB + (b >> 3)) * E::quads + j) * 32 + (b & 7) * 4 + tt] = staged_quad<ENC>(v);
+    }
+    __syncthreads();
+
+    float acc[NB][4];
+#pragma unroll
+    for (int nb = 0; nb < NB; ++nb) acc[nb][0] = acc[nb][1] = acc[nb][2] = acc[nb][3] = 0.f;
+    float* out = parts + (size_t)blockIdx.y * NB * 8 * rows;
+
+    for (int k = 0; k < n_items; ++k) {
+        WeightItem after;
+        if (k + 2 < n_items) after = load_item(k + 2);
+        const int p = k % np;
+        const __half2 s_lo = __half2half2(cur.s_lo), s_hi = __half2half2(cur.s_hi);
+#pragma unroll
+        for (int j = 0; j < E::quads; ++j) {
+            uint4 b[NB];
+#pragma unroll
+            for (int nb = 0; nb < NB; ++nb) b[nb] = hs[((p * NB + nb) * E::quads + j) * 32 + lane];
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                u32 a[4];
+                a_fragment<ENC>(cur, 2 * j + half, s_lo, s_hi, a);
+#pragma unroll
+                for (int nb = 0; nb < NB; ++nb)
+                    mma_16816(acc[nb], a[0], a[1], a[2], a[3], half ? b[nb].z : b[nb].x, half ? b[nb].w : b[nb].y);
+            }
+        }
+        if (p == np - 1) {                                // the tile's last piece: store its sums
+            const int tile = first_tile + (k / np) * BG_WARPS;
+            const int r_lo = tile * 16 + g, r_hi = r_lo + 8;
+            const bool has_hi = tile * 16 + 8 < rows;
+#pragma unroll
+            for (int nb = 0; nb < NB; ++nb) {
+                const int b0 = nb * 8 + 2 * t;
+                out[(size_t)b0 * rows + r_lo] = acc[nb][0];
+                out[(size_t)(b0 + 1) * rows + r_lo] = acc[nb][1];
+                if (has_hi) {
+                    out[(size_t)b0 * rows + r_hi] = acc[nb][2];
+                    out[(size_t)(b0 + 1) * rows + r_hi] = acc[nb][3];
+                }
+                acc[nb][0] = acc[nb][1] = acc[nb][2] = acc[nb][3] = 0.f;
+            }
+        }
+        cur = next;
+        next = after;
+    }
+}
+
+template __global__ void batch_gemv<BG_F16,1>(const unsigned char*, const __half*, int, int, int, const __half*, int,
+                                           int, int, float*);
+template __global__ void batch_gemv<BG_F16,2>(const unsigned char*, const __half*, int, int, int, const __half*, int,
+                                           int, int, float*);
+template __global__ void batch_gemv<BG_F16,4>(const unsigned char*, const __half*, int, int, int, const __half*, int,
+                                           int, int, float*);
+template __global__ void batch_gemv<BG_Q8,1>(const unsigned char*, const __half*, int, int, int, const __half*, int,
+                                           int, int, float*);
+template __global__ void batch_gemv<BG_Q8,2>(const unsigned char*, const __half*, int, int, int, const __half*, int,
+                                           int, int, float*);
+template __global__ void batch_gemv<BG_Q8,4>(const unsigned char*, const __half*, int, int, int, const __half*, int,
+                                           int, int, float*);
+template __global__ void batch_gemv<BG_Q4,1>(const unsigned char*, const __half*, int, int, int, const __half*, int,
+                                           int, int, float*);
+template __global__ void batch_gemv<BG_Q4,2>(const unsigned char*, const __half*, int, int, int, const __half*, int,
+                                           int, int, float*);
+template __global__ void batch_gemv<BG_Q4,4>(const unsigned char*, const __half*, int, int, int, const __half*, int,
+                                           int, int, float*);
+
+// Sum of the K slices' partial sums of element i of row b (a linear's [slices][rows_pad][n] parts).
+TI_DEVICE float slice_sum(const float* parts, int n_slices, size_t slice_stride, size_t index) {
+    float total = 0.f;
+    for (int s = 0; s < n_slices; ++s) total += parts[s * slice_stride + index];
+    return total;
+}
+
+// Row b (grid (B), block 256): x[b] += the slices of parts (n_slices = 0: none), then
+// out[b] = rms_norm(x[b]) * w as fp16. parts: [n_slices][slice_stride / dim][dim].
+extern "C" __global__ void __launch_bounds__(256) batch_rmsnorm(
+    float* x, const float* parts, int n_slices, long long slice_stride,
+    const float* __restrict__ w, int dim, float eps, __half* out, int ldo)
+{
+    __shared__ float scratch[32];
+    pdl_launch_dependents();
+    pdl_wait();
+    const int b = blockIdx.x;
+    float* row = x + (size_t)b * dim;
+    float ss = 0.f;
+    for (int k = threadIdx.x; k < dim; k += blockDim.x) {
+        float v = row[k];
+        if (n_slices > 0) {
+            v += slice_sum(parts, n_slices, (size_t)slice_stride, (size_t)b * dim + k);
+            row[k] = v;
+        }
+        ss += v * v;
+    }
+    const float factor = rsqrtf(block_sum(ss, scratch) / (float)dim + eps);
+    for (int k = threadIdx.x; k < dim; k += blockDim.x)
+        out[(size_t)b * ldo + k] = __float2half_rn(row[k] * factor * w[k]);
+}
+
+// Row b (grid (B), block 256): qkv = the slices' sum (+ bias, Qwen2's; nullptr: none); q rotated
+// (rotate-half, tables [ctx][hd/2]) and times q_scale into q_out [B][n_heads][hd] float32; k
+// rotated and v into the row's slot of this layer's cache [slots][ctx][n_kv][hd] at its position.
+extern "C" __global__ void __launch_bounds__(256) batch_rope_store(
+    const float* parts, int n_slices, long long slice_stride, const float* __restrict__ bias,
+    const int* __restrict__ positions, const int* __restrict__ slots, int n_heads, int n_kv, int hd,
+    const float* __restrict__ rope_cos, const float* __restrict__ rope_sin, float q_scale,
+    float* q_out, __half* k_cache, __half* v_cache, long long slot_stride)
+{
+    pdl_launch_dependents();
+    pdl_wait();
+    const int b = blockIdx.x, pos = positions[b], half_hd = hd >> 1;
+    const int width = (n_heads + 2 * n_kv) * hd;
+    auto value = [&](int i) {
+        const float v = slice_sum(parts, n_slices, (size_t)slice_stride, (size_t)b * width + i);
+        return bias ? v + bias[i] : v;
+    };
+    const float* cos_p = rope_cos + (size_t)pos * half_hd;
+    const float* sin_p = rope_sin + (size_t)pos * half_hd;
+    float* q = q_out + (size_t)b * n_heads * hd;
+    for (int i = threadIdx.x; i < n_heads * half_hd; i += blockDim.x) {
+        const int hh = i / half_hd, d = i % half_hd;
+        const float a = value(hh * hd + d), c = value(hh * hd + d + half_hd);
+        q[hh * hd + d] = (a * cos_p[d] - c * sin_p[d]) * q_scale;
+        q[hh * hd + d + half_hd] = (c * cos_p[d] + a * sin_p[d]) * q_scale;
+    }
+    const size_t cache_row = (size_t)slots[b] * slot_stride + (size_t)pos * n_kv * hd;
+    const int k0 = n_heads * hd, v0 = (n_heads + n_kv) * hd;
+    for (int i = threadIdx.x; i < n_kv * half_hd; i += blockDim.x) {
+        const int hh = i / half_hd, d = i % half_hd;
+        const float a = value(k0 + hh * hd + d), c = value(k0 + hh * hd + d + half_hd);
+        k_cache[cache_row + hh * hd + d] = __float2half_rn(a * cos_p[d] - c * sin_p[d]);
+        k_cache[cache_row + hh * hd + d + half_hd] = __float2half_rn(c * cos_p[d] + a * sin_p[d]);
+    }
+    for (int i = threadIdx.x; i < n_kv * hd; i += blockDim.x)
+        v_cache[cache_row + i] = __float2half_rn(value(v0 + i));
+}
+
+#define BA_MAX_GROUP 8     // query heads per KV head that batch_attention handles in one block
+
+// One (KV head, row) per block (grid (n_kv, B), block 128): for each of the KV head's `group` query
+// heads, softmax(q K^T) V over the row's slot, cache rows first_key(pos, window)..pos, in float32
+// from the fp16 cache, so each K and V row is read once for the whole group. Thread i scores keys
+// i, i + 128, ... (its own 16-byte loads of each key row, one sum per query head), the scores stay
+// in shared memory, and for p . V threads (d, part) sum the keys of their part, each V value used
+// for every head of the group. Dynamic shared memory: floats group * hd (q) + group * n_keys_max
+// (scores) + group * 128 (p . V parts).
+extern "C" __global__ void __launch_bounds__(128) batch_attention(
+    const float* q, const __half* k_cache, const __half* v_cache,
+    long long slot_stride, const int* __restrict__ positions, const int* __restrict__ slots,
+    int n_heads, int n_kv, int hd, int window, int max_keys, __half* out, int ldo)
+{
+    extern __shared__ __align__(16) float ba_smem[];
+    __shared__ float reduce[BA_MAX_GROUP][4];          // per head, per warp
+    pdl_launch_dependents();
+    pdl_wait();
+    const int kvh = blockIdx.x, b = blockIdx.y;
+    const int group = n_heads / n_kv;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int pos = positions[b];
+    const int first = window > 0 ? max(0, pos - window + 1) : 0;
+    const int n_keys = pos - first + 1;
+    float* qs = ba_smem;                              // [group][hd]
+    float* scores = qs + group * hd;                  // [group][max_keys]
+    float* pv = scores + group * max_keys;            // [group][128]
+    for (int i = threadIdx.x; i < group * hd; i += blockDim.x)
+        qs[i] = q[((size_t)b * n_heads + kvh * group) * hd + i];
+    __syncthreads();
+
+    const size_t row_stride = (size_t)n_kv * hd;
+    const size_t base = (size_t)slots[b] * slot_stride + (size_t)first * row_stride + (size_t)kvh * hd;
+    const __half* k_rows = k_cache + base;
+    const __half* v_rows = v_cache + base;
+    float best[BA_MAX_GROUP];
+#pragma unroll
+    for (int g = 0; g < BA_MAX_GROUP; ++g) best[g] = -TI_INF;
+    for (int i = threadIdx.x; i < n_keys; i += blockDim.x) {
+        const __half* key = k_rows + (size_t)i * row_stride;
+        float s[BA_MAX_GROUP];
+#pragma unroll
+        for (int g = 0; g < BA_MAX_GROUP; ++g) s[g] = 0.f;
+        for (int d = 0; d < hd; d += 8) {
+            const uint4 raw = *reinterpret_cast<const uint4*>(key + d);
+            const u32 words[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&words[e]));
+#pragma unroll
+                for (int g = 0; g < BA_MAX_GROUP; ++g)
+                    if (g < group) s[g] += qs[g * hd + d + 2 * e] * f.x + qs[g * hd + d + 2 * e + 1] * f.y;
+            }
+        }
+#pragma unroll
+        for (int g = 0; g < BA_MAX_GROUP; ++g)
+            if (g < group) {
+                scores[g * max_keys + i] = s[g];
+                best[g] = fmaxf(best[g], s[g]);
+            }
+    }
+    // Per head: the block's max, then exp and the block's sum (each thread its own keys).
+#pragma unroll
+    for (int g = 0; g < BA_MAX_GROUP; ++g) {
+        const float m = warp_max(best[g]);
+        if (lane == 0 && g < group) reduce[g][warp] = m;
+    }
+    __syncthreads();
+    float sum[BA_MAX_GROUP];
+#pragma unroll
+    for (int g = 0; g < BA_MAX_GROUP; ++g) {
+        best[g] = fmaxf(fmaxf(reduce[g][0], reduce[g][1]), fmaxf(reduce[g][2], reduce[g][3]));
+        sum[g] = 0.f;
+    }
+    __syncthreads();                                  // reduce[] is reused for the sums
+    for (int i = threadIdx.x; i < n_keys; i += blockDim.x) {
+#pragma unroll
+        for (int g = 0; g < BA_MAX_GROUP; ++g)
+            if (g < group) {
+                const float p = __expf(scores[g * max_keys + i] - best[g]);
+                scores[g * max_keys + i] = p;
+                sum[g] += p;
+            }
+    }
+#pragma unroll
+    for (int g = 0; g < BA_MAX_GROUP; ++g) {
+        const float t = warp_sum(sum[g]);
+        if (lane == 0 && g < group) reduce[g][warp] = t;
+    }
+    __syncthreads();                                  // (also publishes the probabilities)
+
+    const int n_parts = blockDim.x / hd;              // hd <= 128: at least one
+    const int d = threadIdx.x % hd, part = threadIdx.x / hd;
+    float acc[BA_MAX_GROUP];
+#pragma unroll
+    for (int g = 0; g < BA_MAX_GROUP; ++g) acc[g] = 0.f;
+    if (part < n_parts)
+        for (int i = part; i < n_keys; i += n_parts) {
+            const float v = __half2float(v_rows[(size_t)i * row_stride + d]);
+#pragma unroll
+            for (int g = 0; g < BA_MAX_GROUP; ++g)
+                if (g < group) acc[g] += scores[g * max_keys + i] * v;
+        }
+#pragma unroll
+    for (int g = 0; g < BA_MAX_GROUP; ++g)
+        if (g < group) pv[g * blockDim.x + threadIdx.x] = acc[g];
+    __syncthreads();
+    for (int i = threadIdx.x; i < group * hd; i += blockDim.x) {
+        const int g = i / hd, dd = i % hd;
+        const float total = reduce[g][0] + reduce[g][1] + reduce[g][2] + reduce[g][3];
+        float o = 0.f;
+        for (int p = 0; p < n_parts; ++p) o += pv[g * blockDim.x + p * hd + dd];
+        out[(size_t)b * ldo + (kvh * group + g) * hd + dd] = __float2half_rn(o / total);
+    }
+}
+
+// out[b][c] = silu(gate) * up as fp16, from the gate/up linear's slices (rows: ffn gate then ffn up).
+// Grid-stride over B * ffn.
+extern "C" __global__ void __launch_bounds__(256) batch_swiglu(
+    const float* parts, int n_slices, long long slice_stride, int rows_b, int ffn, __half* out, int ldo)
+{
+    pdl_launch_dependents();
+    pdl_wait();
+    const size_t n = (size_t)rows_b * ffn;
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+        const size_t b = i / ffn, c = i % ffn;
+        const float gate = slice_sum(parts, n_slices, (size_t)slice_stride, b * 2 * ffn + c);
+        const float up = slice_sum(parts, n_slices, (size_t)slice_stride, b * 2 * ffn + ffn + c);
+        out[b * ldo + c] = __float2half_rn(gate / (1.f + __expf(-gate)) * up);
+    }
+}
+
+// Row b (grid (B), block 1024): logits[b] = the head's slices' sum, best[b] = its argmax (the lowest
+// id among equal maxima, as np.argmax; NaN never wins).
+extern "C" __global__ void __launch_bounds__(1024) batch_logits(
+    const float* parts, int n_slices, long long slice_stride, int vocab, float* logits, int* best)
+{
+    __shared__ float warp_value[32];
+    __shared__ int warp_id[32];
+    pdl_launch_dependents();
+    pdl_wait();
+    const int b = blockIdx.x;
+    float value = -TI_INF;
+    int id = 0x7fffffff;
+    for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
+        const float v = slice_sum(parts, n_slices, (size_t)slice_stride, (size_t)b * vocab + i);
+        logits[(size_t)b * vocab + i] = v;
+        if (v > value) { value = v; id = i; }          // ascending i: the first maximum stays
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const float ov = __shfl_xor_sync(0xffffffffu, value, o);
+        const int oi = __shfl_xor_sync(0xffffffffu, id, o);
+        if (ov > value || (ov == value && oi < id)) { value = ov; id = oi; }
+    }
+    if ((threadIdx.x & 31) == 0) { warp_value[threadIdx.x >> 5] = value; warp_id[threadIdx.x >> 5] = id; }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        for (int w = 1; w < (int)(blockDim.x >> 5); ++w)
+            if (warp_value[w] > value || (warp_value[w] == value && warp_id[w] < id)) {
+                value = warp_value[w];
+                id = warp_id[w];
+            }
+        best[b] = id == 0x7fffffff ? 0 : id;
+    }
+}

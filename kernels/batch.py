@@ -1,0 +1,224 @@
+"""Launching the batched decode kernels of batch.cu, how the GEMV splits its work, and the
+kernels' NumPy references (what each computes, rounding to fp16 at the same points).
+
+Every launch is a build.Launch with its scalars in their NumPy types, built once per batch size
+and captured in that size's CUDA graph (runtime/cuda_batch.py); every kernel waits for the one
+before it (pdl_wait), so each may be launched early (kernels/pdl.py).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from tinyinfer.kernels.build import Launch, module
+
+ROW_CHUNK = 8                # rows of h per mma (n of m16n8k16): a batch is padded to a multiple
+GEMV_WARPS = 8               # BG_WARPS
+ENCODING_ID = {"f16": 0, "q8": 1, "q4": 2}           # BG_F16, BG_Q8, BG_Q4
+PIECE_COLS = {"f16": 32, "q8": 64, "q4": 128}        # columns of a 64-byte piece (BatchEncoding)
+GEMV_NB = (1, 2, 4)          # batch_gemv<ENC, NB> instances: 8, 16 or 32 rows
+STAGE_BYTES = 64 << 10       # shared memory for a block's staged h
+BLOCKS_PER_SM = 2            # the GEMV grid aims at this many blocks per SM
+ATTENTION_THREADS = 128
+MAX_GROUP = 8                # BA_MAX_GROUP: query heads per KV head
+MAX_SHARED_BYTES = 227 << 10  # a block's opt-in shared memory on Hopper, where the device does not say
+MAX_ROWS = 32
+
+
+def gemv_name(encoding: str, padded: int) -> str:
+    return f"batch_gemv<{ENCODING_ID[encoding]},{padded // ROW_CHUNK}>"
+
+
+def compile_batch(compute_capability: int):
+    names = tuple(gemv_name(e, ROW_CHUNK * nb) for e in ENCODING_ID for nb in GEMV_NB)
+    return module("batch.cu", names, compute_capability)
+
+
+def padded_rows(n_rows: int) -> int:
+    """Rows the GEMV computes for a step of n_rows sequences (a multiple of 8, 8 <= . <= 32)."""
+    if not 1 <= n_rows <= MAX_ROWS:
+        raise ValueError(f"a batched step takes 1 to {MAX_ROWS} sequences")
+    nb = -(-n_rows // ROW_CHUNK)
+    return ROW_CHUNK * min(nb2 for nb2 in GEMV_NB if nb2 >= nb)
+
+
+def can_run(encoding: str, rows: int, cols_pad: int, group: int) -> bool:
+    """The batched GEMV reads q4, q8 and f16 in 8-row blocks (layout.can_block), groups of 32 columns
+    or more."""
+    if encoding not in ENCODING_ID:
+        return False
+    grouped = encoding == "f16" or (group >= 32 and group % 32 == 0)
+    return rows % 8 == 0 and cols_pad % PIECE_COLS[encoding] == 0 and grouped
+
+
+@dataclass(frozen=True)
+class GemvPlan:
+    rows: int
+    kpad: int
+    padded: int               # rows of h (8, 16 or 32)
+    pieces_per_slice: int
+    slices: int
+    tiles_per_block: int
+    piece_cols: int = PIECE_COLS["q4"]
+
+    @property
+    def grid(self) -> tuple[int, int]:
+        tiles = -(-self.rows // 16)
+        return -(-tiles // self.tiles_per_block), self.slices
+
+    @property
+    def shared_bytes(self) -> int:
+        return self.padded * self.pieces_per_slice * self.piece_cols * 2
+
+    @property
+    def parts_floats(self) -> int:
+        return self.slices * self.padded * self.rows
+
+
+def plan_gemv(rows: int, kpad: int, padded: int, n_sms: int, encoding: str = "q4") -> GemvPlan:
+    """Slices of K as long as the staged h fits STAGE_BYTES, split further until the grid has
+    BLOCKS_PER_SM blocks per SM, then more tiles per block while that many remain: each block reads
+    its slice of h once, so fewer, longer blocks read h fewer times."""
+    piece_cols = PIECE_COLS[encoding]
+    pieces = kpad // piece_cols
+    max_pieces = max(1, STAGE_BYTES // (padded * piece_cols * 2))
+    tiles = -(-rows // 16)
+    row_groups = -(-tiles // GEMV_WARPS)
+    per_slice = min(pieces, max_pieces)
+    target = BLOCKS_PER_SM * n_sms
+    while row_groups * -(-pieces // per_slice) < target and per_slice > 2:
+        per_slice = -(-per_slice // 2)
+    slices = -(-pieces // per_slice)
+    per_slice = -(-pieces // slices)                     # even slices
+    widen = max(1, row_groups * slices // target)
+    return GemvPlan(rows, kpad, padded, per_slice, slices, GEMV_WARPS * widen, piece_cols)
+
+
+# ------------------------------------------------------------------------------------- launches
+
+def make_gemv(mod, encoding: str, plan: GemvPlan, weight_ptr: int, scale_ptr: int, group: int, h, ldh: int, parts,
+              name: str = "batch_gemv") -> Launch:
+    """scale_ptr and group are ignored for f16 (pass 0)."""
+    assert plan.piece_cols == PIECE_COLS[encoding]
+    from tinyinfer.kernels.layout import row_bytes
+
+    kernel = mod.get_function(gemv_name(encoding, plan.padded))
+    return Launch(name, kernel, plan.grid, (GEMV_WARPS * 32,), (
+        np.uint64(weight_ptr), np.uint64(scale_ptr), np.int32(plan.rows), np.int32(plan.kpad), np.int32(group or 32),
+        h, np.int32(ldh), np.int32(plan.pieces_per_slice), np.int32(plan.tiles_per_block), parts),
+        shared_mem=plan.shared_bytes, bytes_read=plan.rows * row_bytes(encoding, plan.kpad), waits=True)
+
+
+def slice_args(parts, plan: GemvPlan | None):
+    """(parts, slices, floats per slice) of a linear's output; no slices for a consumer with none."""
+    if plan is None:
+        return parts, np.int32(0), np.int64(0)
+    return parts, np.int32(plan.slices), np.int64(plan.padded * plan.rows)
+
+
+def make_rmsnorm(mod, n_rows: int, x, parts, plan, weight, dim: int, eps: float, out, ldo: int) -> Launch:
+    p, s, stride = slice_args(parts, plan)
+    return Launch("batch_rmsnorm", mod.get_function("batch_rmsnorm"), (n_rows,), (256,), (
+        x, p, s, stride, weight, np.int32(dim), np.float32(eps), out, np.int32(ldo)), waits=True)
+
+
+def make_rope_store(mod, n_rows: int, parts, plan, bias, positions, slots, n_heads: int, n_kv: int, hd: int,
+                    rope_cos, rope_sin, q_out, k_cache, v_cache, slot_stride: int) -> Launch:
+    p, s, stride = slice_args(parts, plan)
+    return Launch("batch_rope_store", mod.get_function("batch_rope_store"), (n_rows,), (256,), (
+        p, s, stride, bias if bias is not None else np.uint64(0), positions, slots, np.int32(n_heads),
+        np.int32(n_kv), np.int32(hd), rope_cos, rope_sin, np.float32(1.0 / math.sqrt(hd)), q_out, k_cache, v_cache,
+        np.int64(slot_stride)), waits=True)
+
+
+def attention_shared_bytes(head_dim: int, max_keys: int, group: int) -> int:
+    """q, the scores and the p . V parts of one block: every query head of a KV head's group."""
+    return 4 * group * (head_dim + max_keys + ATTENTION_THREADS)
+
+
+def attention_supports(n_heads: int, n_kv: int, head_dim: int) -> bool:
+    return n_heads % n_kv == 0 and n_heads // n_kv <= MAX_GROUP and head_dim % 8 == 0 and head_dim <= ATTENTION_THREADS
+
+
+def make_attention(mod, n_rows: int, q, k_cache, v_cache, slot_stride: int, positions, slots, n_heads: int,
+                   n_kv: int, hd: int, window: int | None, max_keys: int, out, ldo: int) -> Launch:
+    return Launch("batch_attention", mod.get_function("batch_attention"), (n_kv, n_rows), (ATTENTION_THREADS,), (
+        q, k_cache, v_cache, np.int64(slot_stride), positions, slots, np.int32(n_heads), np.int32(n_kv),
+        np.int32(hd), np.int32(window or 0), np.int32(max_keys), out, np.int32(ldo)),
+        shared_mem=attention_shared_bytes(hd, max_keys, n_heads // n_kv), waits=True)
+
+
+def make_swiglu(mod, n_rows: int, parts, plan, ffn: int, out, ldo: int) -> Launch:
+    p, s, stride = slice_args(parts, plan)
+    blocks = max(1, min(4096, -(-n_rows * ffn // 256)))
+    return Launch("batch_swiglu", mod.get_function("batch_swiglu"), (blocks,), (256,), (
+        p, s, stride, np.int32(n_rows), np.int32(ffn), out, np.int32(ldo)), waits=True)
+
+
+def make_logits(mod, n_rows: int, parts, plan, vocab: int, logits, best) -> Launch:
+    p, s, stride = slice_args(parts, plan)
+    return Launch("batch_logits", mod.get_function("batch_logits"), (n_rows,), (1024,), (
+        p, s, stride, np.int32(vocab), logits, best), waits=True)
+
+
+# ----------------------------------------------------------------------------------- references
+
+def gemv_reference(h: np.ndarray, weight_fp16: np.ndarray) -> np.ndarray:
+    """[rows_h, n] float32: h (fp16 [rows_h, kpad]) times the weight as prefill dequantizes it
+    (fp16 [n, kpad]: prefill.dequant_reference, or an f16 tensor's values), in float64."""
+    return (h.astype(np.float64) @ weight_fp16.astype(np.float64).T).astype(np.float32)
+
+
+def weight_reference(tensor) -> np.ndarray:
+    """fp16 [rows, kpad]: a linear as the batched GEMV multiplies it (prefill's dequantization, f16 as stored)."""
+    if tensor.encoding == "f16":
+        return np.asarray(tensor.data, np.float16)
+    from tinyinfer.kernels import prefill as prefill_k
+
+    return prefill_k.dequant_reference(tensor)
+
+
+def rmsnorm_reference(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    from tinyinfer.runtime import reference as ref
+
+    return ref.rms_norm(x, weight, eps).astype(np.float16)
+
+
+def rope_store_reference(qkv: np.ndarray, positions: np.ndarray, n_heads: int, n_kv: int, hd: int, cos, sin,
+                         bias: np.ndarray | None = None):
+    """(q float32 [B, n_heads, hd] times 1/sqrt(hd), k fp16 [B, n_kv, hd] rotated, v fp16 [B, n_kv, hd])."""
+    from tinyinfer.runtime import reference as ref
+
+    if bias is not None:
+        qkv = qkv + bias.astype(np.float32)
+    q_size, kv_size = n_heads * hd, n_kv * hd
+    b = qkv.shape[0]
+    q = ref.apply_rope(qkv[:, :q_size].reshape(b, n_heads, hd), positions, cos, sin) / np.float32(math.sqrt(hd))
+    k = ref.apply_rope(qkv[:, q_size: q_size + kv_size].reshape(b, n_kv, hd), positions, cos, sin)
+    v = qkv[:, q_size + kv_size:].reshape(b, n_kv, hd)
+    return q.astype(np.float32), k.astype(np.float16), v.astype(np.float16)
+
+
+def attention_reference(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, positions, slots,
+                        window: int | None = None) -> np.ndarray:
+    """fp16 [B, n_heads * hd]: row b's query (pre-scaled, float32 [B, n_heads, hd]) over its slot's
+    cache (fp16 [slots, ctx, n_kv, hd]) up to its position, by reference.attention."""
+    from tinyinfer.runtime import reference as ref
+
+    rows = []
+    for b, (pos, slot) in enumerate(zip(positions, slots)):
+        k = k_cache[slot, : pos + 1].astype(np.float32)
+        v = v_cache[slot, : pos + 1].astype(np.float32)
+        # reference.attention scales by 1/sqrt(hd); q here already carries it.
+        unscaled = q[b: b + 1] * np.float32(math.sqrt(q.shape[-1]))
+        rows.append(ref.attention(unscaled, k, v, np.array([pos]), window))
+    return np.concatenate(rows).astype(np.float16)
+
+
+def swiglu_reference(gate_up: np.ndarray) -> np.ndarray:
+    from tinyinfer.runtime import reference as ref
+
+    return ref.swiglu(gate_up).astype(np.float16)

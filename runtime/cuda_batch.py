@@ -1,0 +1,473 @@
+"""Continuous batching on the GPU: up to 32 sequences decode together, each weight read once per step.
+
+The engine sits beside the batch-1 backend (cuda_backend.py) and shares its weights on the device,
+its RoPE tables, its stream and its prefill kernels. What it adds:
+
+  - one KV cache of `slots` + 1 slots [layers][slot][max_context][n_kv][hd] fp16, sized up front by
+    a memory plan (the extra slot takes the padding rows of a step);
+  - a decode step over rows (token, position, slot), one row per decoding sequence, as one CUDA
+    graph per batch-size bucket (BUCKETS; a step of n rows replays the smallest bucket >= n):
+
+        embed -> per layer [ rmsnorm (+= previous down) -> GEMV qkv -> rope + KV store
+                             -> attention (each row over its own slot) -> GEMV o
+                             -> rmsnorm (+= o) -> GEMV gate/up -> swiglu -> GEMV down ]
+              -> rmsnorm (+= down) -> GEMV output -> logits + greedy argmax per row
+
+    (q4, q8 or f16 linears: kernels/batch.cu; the kernels launched early, as in the batch-1 step);
+  - scheduling: submit() puts a prompt in a free slot, each step() first prefills up to one chunk
+    of the waiting prompts into their slots (cuda_prefill's kernels over a slot's cache), then decodes
+    every sequence whose prompt is in; a sequence leaves at its stop token, its token budget, or
+    cancel(), and its slot is free for the next submit() at once.
+
+Sampling: plain greedy rows (temperature 0, no repetition penalty) take the device's argmax; other
+rows are sampled on the host from their logits row by runtime.sampling.sample, the one definition.
+Each generated token draws one rng.random(), as Backend.generate_ids does, so a seed gives the same
+tokens in a batch as alone (up to the logits' rounding).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from tinyinfer.formats.quant import scale_offset
+from tinyinfer.kernels import batch as batch_k
+from tinyinfer.kernels import gemv as gemv_k
+from tinyinfer.kernels.build import Launch
+from tinyinfer.kernels.misc import EMBEDDING_ID
+from tinyinfer.runtime import cuda_prefill
+from tinyinfer.runtime.errors import ContextOverflowError, DeviceError, SlotsFullError
+from tinyinfer.runtime.sampling import SamplingParams, sample
+from tinyinfer.runtime.weights_upload import pinned_empty
+
+BUCKETS = (1, 2, 4, 8, 16, 32)     # batch sizes with their own graph
+MAX_SLOTS = BUCKETS[-1]
+PREFILL_CHUNK = 512                # prompt tokens prefilled between two decode steps
+MARGIN_BYTES = 256 << 20
+H2D, D2H = 1, 2
+PROFILE_HOLD_NS = 30_000_000       # profile_step: long enough to queue a 7B step's ~300 launches
+GREEDY = SamplingParams()
+
+
+def bucket_for(n_rows: int) -> int:
+    return min(b for b in BUCKETS if b >= n_rows)
+
+
+@dataclass
+class Sequence:
+    slot: int
+    prompt: np.ndarray                 # int64 ids
+    params: SamplingParams
+    rng: np.random.Generator
+    max_new_tokens: int
+    stop_ids: frozenset
+    prefilled: int = 0                 # prompt positions whose K/V are in the slot
+    generated: list = field(default_factory=list)
+
+    @property
+    def decoding(self) -> bool:
+        """The prompt but its last token is cached: the last one goes through the decode step."""
+        return self.prefilled == self.prompt.size - 1
+
+    @property
+    def position(self) -> int:
+        return self.prompt.size - 1 + len(self.generated)
+
+    @property
+    def token(self) -> int:
+        return int(self.generated[-1]) if self.generated else int(self.prompt[-1])
+
+    @property
+    def device_greedy(self) -> bool:
+        return self.params.greedy and self.params.repetition_penalty == 1.0
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    token: int
+    finish_reason: str | None = None   # "stop" (a stop id), "length" (max_new_tokens), or None: goes on
+
+
+class SlotCache:
+    """The batch-1 backend as cuda_prefill.CudaOps sees it, with one slot's KV cache in place of its own."""
+
+    def __init__(self, backend):
+        self._backend = backend
+        self.k_cache = self.v_cache = None
+
+    def __getattr__(self, name):
+        return getattr(self._backend, name)
+
+
+def check_model(tinf) -> None:
+    """The batched GEMV reads q4/q8/f16 linears in 8-row blocks, the attention groups of up to 8 heads
+    of up to 128; prefill needs a head size it compiles."""
+    for name in cuda_prefill.linear_names(tinf.config):
+        info = tinf.info(name)
+        shape = gemv_k.shape_of(info)
+        if not batch_k.can_run(info.encoding, shape.rows, shape.cols_pad, info.group or 0):
+            raise DeviceError(f"{name} is {info.encoding} of shape {tuple(info.shape)}, which batched decoding does "
+                              "not read (q4, q8 or f16 in 8-row blocks: rows a multiple of 8, rows of whole 64-byte "
+                              "pieces); convert the model with --quant q4 or decode one sequence at a time.")
+    c = tinf.config
+    if not batch_k.attention_supports(c["n_heads"], c["n_kv_heads"], c["head_dim"]):
+        raise DeviceError(f"batched attention takes up to {batch_k.MAX_GROUP} query heads per KV head and head_dim "
+                          f"a multiple of 8 up to 128; this model has {c['n_heads']} / {c['n_kv_heads']} heads of "
+                          f"{c['head_dim']}, so decode one sequence at a time.")
+    if not cuda_prefill.supported(tinf.config):
+        raise DeviceError(f"batched decoding prefills with head_dim in {cuda_prefill.prefill_k.HEAD_DIMS}; this model "
+                          f"has {tinf.config['head_dim']}, so decode one sequence at a time.")
+
+
+class BatchEngine:
+    """submit(prompt_ids, params, max_new_tokens) -> slot; step() -> {slot: TokenEvent}; cancel(slot)."""
+
+    def __init__(self, backend, slots: int | None = None, max_context: int | None = None,
+                 prefill_chunk: int = PREFILL_CHUNK, keep_logits: bool = False):
+        self.backend = backend
+        self.cp = backend.cp
+        self.tinf = backend.tinf
+        c = self.config = backend.config
+        check_model(self.tinf)
+        self.max_context = self.fit_attention(max_context)
+        self.dim, self.n_layers, self.vocab = c["dim"], c["n_layers"], c["vocab_size"]
+        self.n_heads, self.n_kv, self.hd, self.ffn = c["n_heads"], c["n_kv_heads"], c["head_dim"], c["ffn_dim"]
+        self.stream = backend.stream
+        self.pdl = bool(getattr(backend, "pdl", False))   # early launches as the batch-1 step (TINYINFER_PDL=0: off)
+        self.keep_logits = keep_logits       # step() keeps every row's logits in last_logits (tests)
+        self.last_logits: dict[int, np.ndarray] = {}
+        self.plans: dict[tuple, batch_k.GemvPlan] = {}
+        self.prefill_chunk = min(prefill_chunk, cuda_prefill.MAX_CHUNK)
+        self.n_slots = self.check_memory(slots)
+        self.mod = batch_k.compile_batch(backend.compute_capability)
+        with self.stream:
+            self.allocate()
+            self.prefill_ops = cuda_prefill.CudaOps(SlotCache(backend), self.prefill_chunk)
+        self.graphs: dict[int, object] = {}
+        self.sequences: dict[int, Sequence] = {}
+        self.waiting: list[int] = []         # slots whose prompt is being prefilled, first come first
+        self.step_times: list[float] = []
+
+    # ------------------------------------------------------------------------- memory
+
+    def fit_attention(self, max_context: int | None) -> int:
+        """The positions per slot: max_context (at most the backend's), or by default as many as the
+        attention's scores hold in shared memory; refused where a given max_context does not fit."""
+        c, cp = self.config, self.cp
+        props = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)
+        shared = int(props.get("sharedMemPerBlockOptin", batch_k.MAX_SHARED_BYTES))
+        group = c["n_heads"] // c["n_kv_heads"]
+        most = shared // (4 * group) - c["head_dim"] - batch_k.ATTENTION_THREADS
+        wanted = min(max_context or self.backend.max_context, self.backend.max_context)
+        if max_context is None:
+            return min(wanted, most)
+        if wanted > most:
+            raise DeviceError(f"batched attention holds a row's scores in shared memory, up to {most} positions "
+                              f"for this model; load the batch with max_context of at most {most}.")
+        return wanted
+
+    def plan_for(self, name: str, padded: int) -> batch_k.GemvPlan:
+        """The GEMV plan of a linear for a step of `padded` rows (one per shape and encoding)."""
+        shape = gemv_k.shape_of(self.tinf.info(name))
+        key = (shape.encoding, shape.rows, shape.cols_pad, padded)
+        if key not in self.plans:
+            self.plans[key] = batch_k.plan_gemv(shape.rows, shape.cols_pad, padded, self.backend.n_sms,
+                                                shape.encoding)
+        return self.plans[key]
+
+    def parts_floats(self) -> int:
+        """The partial sums of the largest linear at the largest step."""
+        return max(self.plan_for(name, batch_k.padded_rows(MAX_SLOTS)).parts_floats
+                   for name in cuda_prefill.linear_names(self.config))
+
+    def kpad(self, role: str) -> int:
+        return gemv_k.shape_of(self.tinf.info(f"layers.0.{role}")).cols_pad
+
+    def slot_bytes(self) -> int:
+        return 2 * self.n_layers * self.max_context * self.n_kv * self.hd * 2
+
+    def scratch_bytes(self) -> int:
+        rows = MAX_SLOTS
+        parts = self.parts_floats()
+        h = rows * (self.kpad("wqkv") + self.kpad("wo") + self.kpad("w_down")) * 2
+        floats = rows * (self.dim + self.n_heads * self.hd + self.vocab) + parts
+        prefill = (self.prefill_chunk * cuda_prefill.bytes_per_token(self.config)
+                   + 2 * cuda_prefill.scratch_halves(self.tinf))
+        return 4 * floats + h + prefill
+
+    def check_memory(self, slots: int | None) -> int:
+        """The slot count (given, or the most that fit up to MAX_SLOTS); refuse what does not fit."""
+        cp = self.cp
+        free = cp.cuda.Device().mem_info[0] + cp.get_default_memory_pool().free_bytes()
+        fixed = self.scratch_bytes() + MARGIN_BYTES
+        per_slot = self.slot_bytes()
+        fit = (free - fixed) // per_slot - 1      # one slot more for the padding rows
+        gib = 2.0 ** 30
+        if slots is not None and not 1 <= slots <= MAX_SLOTS:
+            raise ValueError(f"batched decoding runs 1 to {MAX_SLOTS} sequences; ask for {MAX_SLOTS} or fewer.")
+        slots = int(min(MAX_SLOTS, fit)) if slots is None else slots
+        if slots < 1 or slots > fit:
+            kv = (max(slots, 1) + 1) * per_slot / gib
+            raise DeviceError(f"{max(slots, 1)} sequences of {self.max_context} positions do not fit on this GPU "
+                              f"(KV cache {kv:.2f} GiB + scratch {fixed / gib:.2f} GiB of {free / gib:.2f} GiB free); "
+                              "use fewer parallel sequences or a smaller max_context.")
+        return slots
+
+    def allocate(self) -> None:
+        cp, rows = self.cp, MAX_SLOTS
+        shape = (self.n_layers, self.n_slots + 1, self.max_context, self.n_kv, self.hd)
+        self.k_cache = cp.zeros(shape, dtype=cp.float16)
+        self.v_cache = cp.zeros(shape, dtype=cp.float16)
+        self.slot_stride = self.max_context * self.n_kv * self.hd
+        self.table = cp.zeros((3, rows), dtype=cp.int32)              # tokens, positions, slots
+        self.x = cp.zeros((rows, self.dim), dtype=cp.float32)         # the residual stream
+        self.h_norm = cp.zeros((rows, self.kpad("wqkv")), dtype=cp.float16)   # zero padding columns
+        self.h_attn = cp.zeros((rows, self.kpad("wo")), dtype=cp.float16)
+        self.h_ffn = cp.zeros((rows, self.kpad("w_down")), dtype=cp.float16)
+        self.q = cp.zeros((rows, self.n_heads * self.hd), dtype=cp.float32)
+        self.parts = cp.zeros(self.parts_floats(), dtype=cp.float32)               # one linear's slices at a time
+        self.logits = cp.zeros((rows, self.vocab), dtype=cp.float32)
+        self.best = cp.zeros(rows, dtype=cp.int32)
+        self.table_host = pinned_empty(3 * rows, np.int32).reshape(3, rows)
+        self.best_host = pinned_empty(rows, np.int32)
+
+    # ------------------------------------------------------------------------- the step
+
+    def gemv(self, name: str, padded: int, h):
+        info = self.tinf.info(name)
+        view = self.backend.view(name)
+        quantized = info.encoding != "f16"
+        scales = view.data.ptr + scale_offset(info.encoding, info.shape, info.group) if quantized else 0
+        return batch_k.make_gemv(self.mod, info.encoding, self.plan_for(name, padded), view.data.ptr, scales,
+                                 info.group if quantized else 0, h, h.shape[1], self.parts,
+                                 f"gemv {name.rsplit('.', 1)[-1]}")
+
+    def build_step(self, n: int) -> list[Launch]:
+        """The launches of a step of n rows (a bucket)."""
+        b, mod, c = self.backend, self.mod, self.config
+        padded = batch_k.padded_rows(n)
+        plan = lambda name: self.plan_for(name, padded)   # noqa: E731
+        eps = float(c["norm_eps"])
+        tokens, positions, slots = self.table[0], self.table[1], self.table[2]
+        emb = self.tinf.info("tok_embeddings").encoding
+        from tinyinfer.formats.quant import padded_cols
+
+        launches = [Launch("embed_rows", self.prefill_ops.mod.get_function("embed_rows"), (n,), (256,), (
+            b.view("tok_embeddings"), np.int32(EMBEDDING_ID[emb]), np.int32(padded_cols(emb, self.dim, None)),
+            np.int32(self.dim), tokens, self.x))]
+        before = None                        # the plan of the linear whose slices x still has to add
+        for i in range(self.n_layers):
+            p = f"layers.{i}."
+            bias = b.f32_view(p + "bqkv") if c.get("qkv_bias") else None
+            launches += [
+                batch_k.make_rmsnorm(mod, n, self.x, self.parts, before, b.f32_view(p + "attn_norm"), self.dim, eps,
+                                     self.h_norm, self.h_norm.shape[1]),
+                self.gemv(p + "wqkv", padded, self.h_norm),
+                batch_k.make_rope_store(mod, n, self.parts, plan(p + "wqkv"), bias, positions, slots, self.n_heads,
+                                        self.n_kv, self.hd, b.rope_cos, b.rope_sin, self.q, self.k_cache[i],
+                                        self.v_cache[i], self.slot_stride),
+                batch_k.make_attention(mod, n, self.q, self.k_cache[i], self.v_cache[i], self.slot_stride, positions,
+                                       slots, self.n_heads, self.n_kv, self.hd, c.get("sliding_window"),
+                                       self.max_context, self.h_attn, self.h_attn.shape[1]),
+                self.gemv(p + "wo", padded, self.h_attn),
+                batch_k.make_rmsnorm(mod, n, self.x, self.parts, plan(p + "wo"), b.f32_view(p + "ffn_norm"), self.dim,
+                                     eps, self.h_norm, self.h_norm.shape[1]),
+                self.gemv(p + "w_gate_up", padded, self.h_norm),
+                batch_k.make_swiglu(mod, n, self.parts, plan(p + "w_gate_up"), self.ffn, self.h_ffn, self.h_ffn.shape[1]),
+                self.gemv(p + "w_down", padded, self.h_ffn),
+            ]
+            before = plan(p + "w_down")
+        launches += [
+            batch_k.make_rmsnorm(mod, n, self.x, self.parts, before, b.f32_view("norm"), self.dim, eps, self.h_norm,
+                                 self.h_norm.shape[1]),
+            self.gemv("output", padded, self.h_norm),
+            batch_k.make_logits(mod, n, self.parts, plan("output"), self.vocab, self.logits, self.best),
+        ]
+        return launches
+
+    def run_step(self, n: int) -> None:
+        """Queue the step of bucket n: its graph, or on first use the launches themselves, then its capture."""
+        graph = self.graphs.get(n)
+        if graph is not None:
+            graph.launch(self.stream)
+            return
+        launches = self.build_step(n)
+        for launch in launches:
+            launch(self.stream, early=self.pdl)
+        self.graphs[n] = self.capture(launches)
+
+    def profile_step(self, n: int) -> dict[str, float]:
+        """GPU milliseconds per kernel kind of one step of bucket n over the current rows, each launch
+        between two events, queued behind a wait so that they run back to back (without early launch,
+        so a little slower than the graph; the step's own writes again)."""
+        cp = self.cp
+        launches = self.build_step(n)
+        events = [cp.cuda.Event() for _ in range(len(launches) + 1)]
+        self.backend.wait_launch(PROFILE_HOLD_NS)(self.stream)   # the GPU waits while the host queues them all
+        events[0].record(self.stream)
+        for launch, event in zip(launches, events[1:]):
+            launch(self.stream)             # (without early launch: each kernel's own time)
+            event.record(self.stream)
+        self.stream.synchronize()
+        totals: dict[str, float] = {}
+        for launch, start, end in zip(launches, events, events[1:]):
+            totals[launch.name] = totals.get(launch.name, 0.0) + cp.cuda.get_elapsed_time(start, end)
+        return totals
+
+    def capture(self, launches):
+        stream = self.stream
+        stream.synchronize()                 # the eager step ran first: capture changes nothing it wrote
+        stream.begin_capture()
+        try:
+            for launch in launches:
+                launch(stream, early=self.pdl)
+        except BaseException:
+            try:
+                stream.end_capture()
+            except Exception:
+                pass
+            raise
+        graph = stream.end_capture()
+        graph.upload(stream)
+        return graph
+
+    # ------------------------------------------------------------------------- scheduling
+
+    def free_slots(self) -> list[int]:
+        return [s for s in range(self.n_slots) if s not in self.sequences]
+
+    def active_slots(self) -> list[int]:
+        return sorted(self.sequences)
+
+    def has_work(self) -> bool:
+        return bool(self.sequences)
+
+    def submit(self, prompt_ids, params: SamplingParams = GREEDY, max_new_tokens: int = 256, seed=None,
+               stop_ids=()) -> int:
+        """Put a prompt in a free slot (its prefill starts at the next step); returns the slot."""
+        prompt = np.asarray(prompt_ids, dtype=np.int64).ravel()
+        if prompt.size == 0:
+            raise ValueError("the prompt is empty; pass at least one token id.")
+        if prompt.min() < 0 or prompt.max() >= self.vocab:
+            raise ValueError(f"token ids must be in [0, {self.vocab}).")
+        if max_new_tokens < 1:
+            raise ValueError("max_new_tokens must be at least 1.")
+        if prompt.size + max_new_tokens - 1 > self.max_context:
+            raise ContextOverflowError(
+                f"The prompt ({prompt.size} tokens) plus {max_new_tokens} new tokens exceeds the batch's context of "
+                f"{self.max_context} tokens; shorten the prompt or ask for fewer tokens.",
+                prompt_tokens=int(prompt.size), new_tokens=max_new_tokens, context=self.max_context)
+        free = self.free_slots()
+        if not free:
+            raise SlotsFullError(f"all {self.n_slots} sequence slots are busy; wait for one to finish or "
+                                 "cancel one.")
+        rng = seed if isinstance(seed, np.random.Generator) else np.random.default_rng(seed)
+        slot = free[0]
+        self.sequences[slot] = Sequence(slot, prompt, params, rng, int(max_new_tokens),
+                                        frozenset(int(i) for i in stop_ids))
+        self.waiting.append(slot)
+        return slot
+
+    def cancel(self, slot: int) -> None:
+        """Stop a sequence at once; its slot is free (the cache rows it wrote are simply overwritten)."""
+        self.sequences.pop(slot, None)
+        if slot in self.waiting:
+            self.waiting.remove(slot)
+
+    def prefill_some(self, seq: Sequence, n_tokens: int) -> int:
+        """Up to n_tokens more of the prompt (all but its last token) into the sequence's slot; how many."""
+        begin, end = seq.prefilled, min(seq.prefilled + n_tokens, seq.prompt.size - 1)
+        if end > begin:
+            self.prefill_span(seq.slot, seq.prompt[begin: end], begin)
+        seq.prefilled = end
+        return end - begin
+
+    def prefill_span(self, slot: int, ids: np.ndarray, start: int) -> None:
+        """K/V of ids at positions start.. into the slot (cuda_prefill's kernels over its cache)."""
+        ops = self.prefill_ops
+        ops.backend.k_cache, ops.backend.v_cache = self.k_cache[:, slot], self.v_cache[:, slot]
+        with self.stream:
+            cuda_prefill.run_prefill(ops, self.config, ids, start, ops.chunk, None)
+
+    def advance_prefill(self, must_admit: bool) -> None:
+        """Prefill up to prefill_chunk tokens of the waiting prompts, first come first (so the running
+        sequences wait at most one chunk); with nothing decoding (must_admit), until one prompt is in."""
+        budget = self.prefill_chunk
+        while self.waiting:
+            if budget <= 0:
+                if not must_admit:
+                    return
+                budget = self.prefill_chunk
+            seq = self.sequences[self.waiting[0]]
+            budget -= self.prefill_some(seq, budget)
+            if seq.decoding:
+                self.waiting.pop(0)
+                must_admit = False
+
+    def step(self) -> dict[int, TokenEvent]:
+        """One decode step of every sequence whose prompt is in (after up to one chunk of prefill):
+        {slot: its new token}. Finished sequences leave, their slots free."""
+        decoding = [s for s in self.sequences.values() if s.decoding and s.slot not in self.waiting]
+        self.advance_prefill(must_admit=not decoding)
+        rows = sorted((s for s in self.sequences.values() if s.decoding and s.slot not in self.waiting),
+                      key=lambda s: s.slot)
+        if not rows:
+            return {}
+        tick = time.perf_counter()
+        best, logits = self.decode(rows, self.keep_logits or not all(s.device_greedy for s in rows))
+        self.step_times.append(time.perf_counter() - tick)
+        if self.keep_logits:
+            self.last_logits = {seq.slot: logits[r] for r, seq in enumerate(rows)}
+        return {seq.slot: self.advance(seq, int(best[r]), logits[r] if logits is not None else None)
+                for r, seq in enumerate(rows)}
+
+    def decode(self, rows: list[Sequence], want_logits: bool):
+        """One step of the rows on the device: (greedy argmax per row, logits [rows, vocab] or None)."""
+        n = bucket_for(len(rows))
+        table = self.table_host
+        table[0, :n], table[1, :n], table[2, :n] = 0, 0, self.n_slots     # padding rows: the spare slot
+        for r, seq in enumerate(rows):
+            table[:, r] = seq.token, seq.position, seq.slot
+        cp = self.cp
+        cp.cuda.runtime.memcpyAsync(self.table.data.ptr, table.ctypes.data, table.nbytes, H2D, self.stream.ptr)
+        self.run_step(n)
+        cp.cuda.runtime.memcpyAsync(self.best_host.ctypes.data, self.best.data.ptr, 4 * n, D2H, self.stream.ptr)
+        logits = self.logits[: len(rows)].get(stream=self.stream) if want_logits else None
+        self.stream.synchronize()
+        return self.best_host[: len(rows)].copy(), logits
+
+    def advance(self, seq: Sequence, best: int, logits) -> TokenEvent:
+        """The sequence's next token (the device's argmax, or sampled from its logits row); it leaves
+        at a stop id or at its budget."""
+        u = seq.rng.random()                 # one draw per token, greedy too (Backend.generate_ids)
+        if seq.device_greedy:
+            token = best
+        else:
+            history = np.concatenate([seq.prompt, np.asarray(seq.generated, dtype=np.int64)])
+            token = sample(logits, seq.params, history, u)
+        seq.generated.append(token)
+        reason = "stop" if token in seq.stop_ids else "length" if len(seq.generated) >= seq.max_new_tokens else None
+        if reason:
+            del self.sequences[seq.slot]
+        return TokenEvent(token, reason)
+
+    def close(self) -> None:
+        self.stream.synchronize()
+        for name in ("graphs", "k_cache", "v_cache", "parts", "logits", "prefill_ops"):
+            setattr(self, name, None)
+
+
+def generate_batch_ids(engine: BatchEngine, prompts, params, max_new_tokens, seeds, stop_ids=()) -> list[list[int]]:
+    """Every prompt's generated ids (stop id included), through the engine: prompts enter as slots free up."""
+    outputs = [[] for _ in prompts]
+    queue = [i for i in range(len(prompts)) if max_new_tokens[i] > 0]
+    owner: dict[int, int] = {}
+    while queue or engine.has_work():
+        while queue and engine.free_slots():
+            i = queue.pop(0)
+            owner[engine.submit(prompts[i], params[i], max_new_tokens[i], seeds[i], stop_ids)] = i
+        for slot, event in engine.step().items():
+            outputs[owner[slot]].append(event.token)
+    return outputs
