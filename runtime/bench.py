@@ -114,8 +114,9 @@ def tinf_config(hf: dict, n_layers: int | None = None) -> dict:
 
 
 def write_random_model(path, config: dict, quant: str = "q4", group: int | None = None, seed: int = 0,
-                       reuse_layers: bool = False):
-    """Write a .tinf with random weights in the encodings the converter would use for `quant`.
+                       reuse_layers: bool = False, chat_template: str | None = None):
+    """Write a .tinf with random weights in the encodings the converter would use for `quant`
+    (and the word-level tokenizer of synthetic_tokenizer, and chat_template if given).
 
     reuse_layers=True writes the same random bytes for every layer (fast for 7B-sized benchmarks;
     each layer is still its own region of the file and of GPU memory)."""
@@ -125,7 +126,7 @@ def write_random_model(path, config: dict, quant: str = "q4", group: int | None 
     group = DEFAULT_GROUP[quant] if group is None else group
     rng = np.random.default_rng(seed)
     specs = tensor_specs(config, quant, group, None)
-    metadata = {"config": config, "tokenizer": synthetic_tokenizer(config["vocab_size"]), "chat_template": None,
+    metadata = {"config": config, "tokenizer": synthetic_tokenizer(config["vocab_size"]), "chat_template": chat_template,
                 "generation": {}, "provenance": {"source": "random", "quant": quant, "group_size": group}}
     made = {}
     with TinfWriter(path, metadata, specs) as writer:
