@@ -172,6 +172,7 @@ class SerialEngine:
         try:
             while (generation := self._next()) is not None:
                 self._serve(generation)
+                del generation      # a finished request is not kept alive until the next one comes
         finally:
             self._cancel_waiting()
             self.model.close()

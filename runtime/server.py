@@ -202,8 +202,8 @@ def generation_request(model, ids: list[int], body: Sampling, max_tokens: int | 
         n_new = model.new_token_budget(len(ids), max_tokens)
         params = model.sampling_params(temperature=body.temperature, top_p=body.top_p)
     except ContextOverflowError as e:
-        raise APIError(400, str(e), "max_tokens" if max_tokens is not None else prompt_param,
-                       "context_length_exceeded") from None
+        param = "max_tokens" if max_tokens is not None and len(ids) < model.max_context else prompt_param
+        raise APIError(400, str(e), param, "context_length_exceeded") from None
     except (TinyInferError, ValueError) as e:
         raise APIError(400, sentence(str(e))) from None
     return GenerationRequest(tuple(ids), n_new, params, body.seed, tuple(body.stop or ()))
