@@ -457,3 +457,45 @@ def test_tinyrun_serve_on_a_taken_port_is_one_line(model_path, capsys):
             main(["serve", str(model_path), "--port", str(taken.getsockname()[1]), "--device", "cpu"])
     err = capsys.readouterr().err
     assert info.value.code == 1 and err.startswith("error: Cannot listen") and err.count("\n") == 1
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_tinyrun_serve_answers_then_stops_on_interrupt(model_path, reference):
+    import signal
+    import subprocess
+
+    from console_scripts import script
+
+    port = free_port()
+    process = subprocess.Popen([script("tinyrun"), "serve", str(model_path), "--port", str(port), "--device", "cpu",
+                                "--ctx-size", "64"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + DEADLINE_S
+        while True:
+            assert process.poll() is None and time.monotonic() < deadline, "tinyrun serve did not come up"
+            with contextlib.suppress(OSError):
+                if get(url + "/health")[0] == 200:
+                    break
+            time.sleep(0.1)
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=DEADLINE_S)
+        assert [m.id for m in client.models.list().data] == [model_path.stem]
+        text, finish, _ = expected(reference, "w3 w4", max_tokens=8, temperature=0)
+        out = client.completions.create(model=str(model_path), prompt="w3 w4", max_tokens=8, temperature=0)
+        assert (out.choices[0].text, out.choices[0].finish_reason) == (text, finish)
+        with pytest.raises(openai.BadRequestError) as info:     # --ctx-size 64 is the context now
+            client.completions.create(model=model_path.stem, prompt="w3", max_tokens=64)
+        assert "context of 64 tokens" in info.value.body["message"]
+        process.send_signal(signal.SIGINT)      # Ctrl-C: a clean shutdown, and tinyrun's exit code for it
+        assert process.wait(30) == 130
+        assert "Application shutdown complete" in process.stdout.read()
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(10)
+        process.stdout.close()
