@@ -91,7 +91,7 @@ class Sampling(Strict):
     temperature: Annotated[float, Field(ge=0, allow_inf_nan=False)] | None = None
     top_p: Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)] | None = None
     seed: Annotated[int, Field(ge=0, le=MAX_SEED)] | None = None
-    stop: str | list[str] | None = None
+    stop: Any = None
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -106,31 +106,32 @@ class Sampling(Strict):
     @field_validator("stop")
     @classmethod
     def stop_strings(cls, stop):
-        stops = [stop] if isinstance(stop, str) else list(stop or ())
-        if len(stops) > MAX_STOP_STRINGS or not all(0 < len(s) <= MAX_STOP_LENGTH for s in stops):
-            raise ValueError(f"give at most {MAX_STOP_STRINGS} stop strings of 1 to {MAX_STOP_LENGTH} characters")
+        """A string or a list of strings (None: none)."""
+        stops = [stop] if isinstance(stop, str) else stop if isinstance(stop, list) else [] if stop is None else None
+        if stops is None or len(stops) > MAX_STOP_STRINGS or not all(
+                isinstance(s, str) and 0 < len(s) <= MAX_STOP_LENGTH for s in stops):
+            raise ValueError(f"give a string or a list of at most {MAX_STOP_STRINGS} strings of 1 to "
+                             f"{MAX_STOP_LENGTH} characters")
         return stops
-
-
-class TextPart(Strict):
-    type: str
-    text: str = ""
-
-    @field_validator("type")
-    @classmethod
-    def text_only(cls, kind):
-        if kind != "text":
-            raise ValueError(f"content parts of type {kind!r} are not supported; send text")
-        return kind
 
 
 class Message(Strict):
     role: Annotated[str, Field(min_length=1, max_length=64)]
-    content: str | list[TextPart] | None = None
+    content: Any = None
+
+    @field_validator("content")
+    @classmethod
+    def text_content(cls, content):
+        """A string, a list of {"type": "text", "text": ...} parts (joined), or None."""
+        if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
+                                             and isinstance(p.get("text"), str) for p in content):
+            return "".join(p["text"] for p in content)
+        if not (content is None or isinstance(content, str)):
+            raise ValueError('content must be a string or a list of {"type": "text", "text": ...} parts')
+        return content or ""
 
     def as_template_input(self) -> dict:
-        content = self.content if not isinstance(self.content, list) else "".join(p.text for p in self.content)
-        return {"role": self.role, "content": content or ""}
+        return {"role": self.role, "content": self.content}
 
 
 class ChatRequest(Sampling):
@@ -348,8 +349,8 @@ def validation_message(error: dict) -> tuple[str, str | None]:
     if error["type"] == "json_invalid":
         return (f"The request body is not valid JSON ({error.get('ctx', {}).get('error', 'decode error')} at "
                 f"character {error['loc'][-1]}); send a JSON object."), None
-    loc = [str(part) for part in error["loc"][1:]]   # after "body"
-    param = ".".join(loc).replace(".[", "[") or None
+    loc = error["loc"][1:]   # after "body"
+    param = "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in loc).lstrip(".") or None
     message = error["msg"].removeprefix("Value error, ")
     if not loc and isinstance(error.get("input"), (bytes, str)):
         return "The request body is not JSON; send a JSON object with Content-Type: application/json.", None

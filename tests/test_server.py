@@ -186,6 +186,12 @@ def test_chat_is_what_the_library_generates(client, reference):
     # max_completion_tokens is the newer name of max_tokens.
     out = client.chat.completions.create(model="tiny", messages=messages, max_completion_tokens=16, temperature=0)
     assert out.choices[0].message.content == text
+    # Content given as text parts is the same conversation.
+    parts = [{**m, "content": [{"type": "text", "text": w + " "} for w in m["content"].split()]} for m in messages]
+    parts = [{**m, "content": m["content"][:-1] + [{"type": "text", "text": m["content"][-1]["text"].strip()}]}
+             for m in parts]
+    out = client.chat.completions.create(model="tiny", messages=parts, max_tokens=16, temperature=0)
+    assert out.choices[0].message.content == text
 
 
 def test_stream_ends_with_done(server):
@@ -256,6 +262,8 @@ def test_bad_parameters_are_400_with_openai_errors(client):
         (dict(prompt="w3", top_p=0), "top_p", None),
         (dict(prompt="w3", seed=-1), "seed", None),
         (dict(prompt="w3", stop=[""]), "stop", None),
+        (dict(prompt="w3", stop=5), "stop", None),
+        (dict(prompt="w3", stop=["w4"] * 17), "stop", None),
         (dict(prompt=" ".join(["w3"] * CONTEXT)), "prompt", "context_length_exceeded"),
         (dict(prompt=[RUNNABLE_CONFIG["vocab_size"]]), "prompt", None),
         (dict(prompt="w3", logprobs=2), None, None),
@@ -271,6 +279,14 @@ def test_bad_parameters_are_400_with_openai_errors(client):
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": " ".join(["w3"] * CONTEXT)}])
     assert info.value.body["code"] == "context_length_exceeded" and info.value.body["param"] == "messages"
+    for content, param in [([{"type": "image_url", "image_url": {"url": "x"}}], "messages[0].content"),
+                           (7, "messages[0].content")]:
+        with pytest.raises(openai.BadRequestError) as info:
+            client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": content}])
+        assert info.value.body["param"] == param and one_sentence(info.value.body["message"])
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model="tiny", messages=[])
+    assert info.value.body["param"] == "messages"
     with pytest.raises(openai.NotFoundError) as info:
         client.completions.create(model="other", prompt="w3", max_tokens=2)
     assert info.value.body["code"] == "model_not_found" and one_sentence(info.value.body["message"])
