@@ -122,6 +122,7 @@ class SerialEngine:
         self._waiting: deque[Generation] = deque()
         self._wakeup = threading.Condition()
         self._closing = False
+        self._current: Generation | None = None   # the request being generated
         self._stats = EngineStats()
         self._stats_lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="tinyinfer-engine", daemon=True)
@@ -153,8 +154,9 @@ class SerialEngine:
     def close(self, timeout: float = 30.0) -> None:
         with self._wakeup:
             self._closing = True
-            for generation in self._waiting:
-                generation.cancel()
+            for generation in [*self._waiting, self._current]:
+                if generation is not None:
+                    generation.cancel()
             self._wakeup.notify()
         if self._thread.is_alive():
             self._thread.join(timeout)
@@ -172,6 +174,8 @@ class SerialEngine:
         try:
             while (generation := self._next()) is not None:
                 self._serve(generation)
+                with self._wakeup:
+                    self._current = None
                 del generation      # a finished request is not kept alive until the next one comes
         finally:
             self._cancel_waiting()
@@ -181,7 +185,8 @@ class SerialEngine:
         with self._wakeup:
             while not self._waiting and not self._closing:
                 self._wakeup.wait()
-            return None if self._closing else self._waiting.popleft()
+            self._current = None if self._closing else self._waiting.popleft()
+            return self._current
 
     def _cancel_waiting(self) -> None:
         with self._wakeup:

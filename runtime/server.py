@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import socket
 import threading
 import time
@@ -505,12 +506,18 @@ def serve(path, names: tuple[str, ...], host: str, port: int, ctx_size: int | No
     sock = listening_socket(host, port)
     engine = SerialEngine(lambda: load(path, device=device, max_context=ctx_size or None))
     app = create_app(engine, names, created=int(path.stat().st_mtime))
-    server = uvicorn.Server(uvicorn.Config(app, log_level=log_level))
+    # On Ctrl-C, open streams get a few seconds to end before they are cut.
+    server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5))
 
     def stop_if_load_fails():
         engine.ready.wait()
         if engine.load_error is not None:
             server.should_exit = True
+            return
+        backend = "CUDA" if "Cuda" in type(engine.model.backend).__name__ else "CPU (NumPy backend)"
+        logging.getLogger("uvicorn.error").info(
+            "%s loaded on the %s, context %d tokens: serving the OpenAI API at http://%s:%d/v1", names[0],
+            backend, engine.model.max_context, host, sock.getsockname()[1])
 
     threading.Thread(target=stop_if_load_fails, daemon=True).start()
     server.run(sockets=[sock])

@@ -515,3 +515,38 @@ def test_tinyrun_serve_answers_then_stops_on_interrupt(model_path, reference):
             process.kill()
             process.wait(10)
         process.stdout.close()
+
+
+def test_engine_close_cancels_the_running_and_the_waiting(model_path):
+    """The engine's own contract (runtime/README.md): events then one Finished; close() ends a
+    running and a queued generation at their next token, and later submits are refused."""
+    import asyncio
+
+    from tinyinfer.runtime.engine import Chunk, Finished, GenerationRequest
+    from tinyinfer.runtime.sampling import SamplingParams
+
+    engine = SerialEngine(slowed_loader(model_path, 0.02))
+    engine.start()
+    assert engine.ready.wait(DEADLINE_S) and engine.load_error is None
+    request = GenerationRequest((1, 3, 4), CONTEXT - 8, SamplingParams())
+
+    async def scenario():
+        running, waiting = engine.submit(request), engine.submit(request)
+        first = await asyncio.wait_for(running.__anext__(), DEADLINE_S)
+        assert isinstance(first, Chunk) and engine.stats().queue_depth == 1 and engine.stats().running == 1
+        started = time.monotonic()
+        await asyncio.to_thread(engine.close)
+        assert time.monotonic() - started < 1.0
+        ends = []
+        for generation in (running, waiting):
+            events = [e async for e in generation]
+            assert all(isinstance(e, Chunk) for e in events[:-1]) and isinstance(events[-1], Finished)
+            ends.append(events[-1])
+        assert [e.finish_reason for e in ends] == [None, None] and ends[1].completion_tokens == 0
+        assert 0 < ends[0].completion_tokens < CONTEXT // 2
+        with pytest.raises(RuntimeError):
+            engine.submit(request)
+
+    asyncio.run(asyncio.wait_for(scenario(), DEADLINE_S))
+    stats = engine.stats()
+    assert stats.requests["cancelled"] == 2 and stats.running == 0 and stats.queue_depth == 0
