@@ -26,7 +26,8 @@ import time
 import urllib.request
 from pathlib import Path
 
-BENCH_TEXT = "Once upon a time, in a small town by the sea, there lived an old clockmaker who " * 4
+from tinyinfer.runtime.bench import BENCH_TEXT, steady_rate
+from tinyinfer.runtime.cuda_backend import launch_sizes
 
 
 def tinyrun() -> str:
@@ -69,11 +70,14 @@ def start_server(model: str, device: str, ctx_size: int | None) -> tuple[subproc
 
 
 def bench_prompt(url: str, length: int) -> list[int]:
+    """bench.bench_prompt's ids, from the server's tokenizer."""
     request = urllib.request.Request(url + "/tokenize", headers={"Content-Type": "application/json"},
                                      data=json.dumps({"content": BENCH_TEXT, "add_special": True}).encode())
     with urllib.request.urlopen(request, timeout=60) as response:
         ids = json.loads(response.read())["tokens"]
-    return (ids * (length // max(len(ids), 1) + 1))[:length]
+    if len(ids) < length:
+        raise SystemExit(f"--prompt-len {length} is longer than the bench text ({len(ids)} tokens); use at most that.")
+    return ids[:length]
 
 
 def one_stream(client, model_id: str, prompt: list[int], tokens: int) -> dict:
@@ -115,8 +119,10 @@ def run_streams(client, model_id: str, prompt: list[int], tokens: int, streams: 
     wall = time.perf_counter() - started
     ttft = [r["stamps"][0] - r["sent"] for r in results if r["stamps"]]
     gaps = [b - a for r in results for a, b in zip(r["stamps"], r["stamps"][1:])]
-    # Single-stream decode rate as --bench counts it: after the first chunk, which carries the prompt.
-    decode = [(len(r["stamps"]) - 1) / (r["stamps"][-1] - r["stamps"][0]) for r in results if len(r["stamps"]) > 1]
+    # Each stream's decode rate as --bench counts it (bench.steady_rate): from the last token of the
+    # first graph launch, whose tokens arrive together after the prompt, to the last token.
+    first = launch_sizes(tokens)[0]
+    decode = [steady_rate(r["stamps"], first) for r in results if len(r["stamps"]) > first]
     total = sum(r["tokens"] for r in results)
     return {"streams": streams, "requests": len(results), "completion_tokens": total,
             "aggregate_tok_s": round(total / wall, 1), "per_stream_decode_tok_s": round(statistics.median(decode), 1),

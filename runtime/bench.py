@@ -149,10 +149,12 @@ def write_random_model(path, config: dict, quant: str = "q4", group: int | None 
 
 # ------------------------------------------------------------------------------------------ bench
 
+BENCH_TEXT = "Once upon a time, in a small town by the sea, there lived an old clockmaker who " * 4
+
+
 def bench_prompt(model, length: int) -> list[int]:
     """A fixed prompt of `length` ids: BOS (if any) then the tokenization of some text, cut or padded."""
-    text = "Once upon a time, in a small town by the sea, there lived an old clockmaker who " * 4
-    ids = list(model.tokenizer.encode(text))
+    ids = list(model.tokenizer.encode(BENCH_TEXT))
     while len(ids) < length:
         ids += [i % model.config["vocab_size"] for i in range(3, 3 + length)]
     return ids[:length]
