@@ -11,7 +11,6 @@ import re
 import socket
 import threading
 import time
-import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
@@ -21,6 +20,8 @@ pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
 
+from serve_helpers import (DEADLINE_S, finished_requests, get, metrics, post, running_server,  # noqa: E402
+                           streamed, wait_until_idle)
 from tinf_samples import RUNNABLE_CONFIG  # noqa: E402
 
 from tinyinfer.runtime import load  # noqa: E402
@@ -35,7 +36,6 @@ CONTEXT = 96
 TEMPLATE = ("{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}"
             "{% if add_generation_prompt %}assistant{% endif %}")
 FINISH = {"eos": "stop", "stop_string": "stop", "max_tokens": "length"}
-DEADLINE_S = 60
 
 
 @pytest.fixture(scope="module")
@@ -50,27 +50,6 @@ def reference(model_path):
     """The library's own answers, from a second copy of the model in this process."""
     with load(model_path, device="cpu") as model:
         yield model
-
-
-@contextlib.contextmanager
-def running_server(app):
-    """uvicorn serving app on a free 127.0.0.1 port in a thread; always stopped."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    try:
-        deadline = time.monotonic() + 30
-        while not server.started:
-            assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-            time.sleep(0.01)
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(30)
-        sock.close()
-    assert not thread.is_alive(), "the server did not stop"
 
 
 @contextlib.contextmanager
@@ -92,65 +71,11 @@ def client(server):
     return openai.OpenAI(base_url=server[0] + "/v1", api_key="unused", max_retries=0, timeout=DEADLINE_S)
 
 
-def post(url: str, data: bytes, content_type="application/json") -> tuple[int, dict]:
-    request = urllib.request.Request(url, data=data, headers={"Content-Type": content_type})
-    try:
-        with urllib.request.urlopen(request, timeout=DEADLINE_S) as response:
-            return response.status, json.loads(response.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
-
-
-def get(url: str) -> tuple[int, str]:
-    try:
-        with urllib.request.urlopen(url, timeout=DEADLINE_S) as response:
-            return response.status, response.read().decode()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read().decode()
-
-
-def metrics(url: str) -> dict[str, float]:
-    status, text = get(url + "/metrics")
-    assert status == 200
-    values = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            values[name] = float(value)
-    return values
-
-
 def expected(reference, prompt, **options) -> tuple[str, str, dict]:
     """(text, finish_reason, stats) as Model.generate gives them."""
     text = "".join(reference.generate(prompt, **options))
     stats = dict(reference.last_stats)
     return text, FINISH[stats["stop_reason"]], stats
-
-
-def streamed(stream) -> tuple[str, str | None, object]:
-    """(text, finish_reason, usage) from a stream of completion or chat chunks."""
-    texts, finish, usage = [], None, None
-    for chunk in stream:
-        usage = chunk.usage or usage
-        for choice in chunk.choices:
-            delta = getattr(choice, "delta", None)
-            texts.append((delta.content if delta else choice.text) or "")
-            finish = choice.finish_reason or finish
-    return "".join(texts), finish, usage
-
-
-def wait_until_idle(url: str) -> dict[str, float]:
-    deadline = time.monotonic() + DEADLINE_S
-    while True:
-        m = metrics(url)
-        if m["tinyinfer_queue_depth"] == 0 and m["tinyinfer_sequences_running"] == 0:
-            return m
-        assert time.monotonic() < deadline, f"the engine did not return to idle: {m}"
-        time.sleep(0.02)
-
-
-def finished_requests(m: dict) -> float:
-    return sum(v for k, v in m.items() if k.startswith("tinyinfer_requests_total"))
 
 
 PROMPTS = ["w3 w4 w5", "w10", "w7 w8 w9 w10 w11 w12", "w40 w41", "w20 w21 w22 w23", "w5 w50", "w60 w61 w62", "w33"]
