@@ -8,6 +8,8 @@ wall time), the time to first token (p50/p99) and the inter-token latency (p50/p
 streamed chunks). Given MODEL, it first runs `tinyrun MODEL --bench TOKENS` (the engine alone, same
 prompt length) and prints the server's single-stream decode rate beside it, with the overhead.
 The prompt is the --bench prompt: the same text, tokenized by the server, cut to --prompt-len ids.
+The serial engine serves one stream at a time, so with several streams the time to first token
+includes the wait in the queue.
 """
 
 from __future__ import annotations

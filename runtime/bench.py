@@ -126,8 +126,9 @@ def write_random_model(path, config: dict, quant: str = "q4", group: int | None 
     group = DEFAULT_GROUP[quant] if group is None else group
     rng = np.random.default_rng(seed)
     specs = tensor_specs(config, quant, group, None)
-    metadata = {"config": config, "tokenizer": synthetic_tokenizer(config["vocab_size"]), "chat_template": chat_template,
-                "generation": {}, "provenance": {"source": "random", "quant": quant, "group_size": group}}
+    metadata = {"config": config, "tokenizer": synthetic_tokenizer(config["vocab_size"]),
+                "chat_template": chat_template, "generation": {},
+                "provenance": {"source": "random", "quant": quant, "group_size": group}}
     made = {}
     with TinfWriter(path, metadata, specs) as writer:
         for spec in specs:
