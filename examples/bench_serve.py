@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import shutil
 import socket
@@ -23,7 +24,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -102,23 +102,36 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(int(round(q / 100 * (len(ordered) - 1))), len(ordered) - 1)]
 
 
-def run_streams(client, model_id: str, prompt: list[int], tokens: int, streams: int, requests: int) -> dict:
-    """`streams` clients at once, each sending `requests` completions one after another."""
-    results, lock = [], threading.Lock()
+def stream_worker(barrier, out, url: str, model_id: str, prompt: list[int], tokens: int, requests: int) -> None:
+    """One client process: `requests` streamed completions one after another, once every client is ready."""
+    import openai
 
-    def client_loop():
-        for _ in range(requests):
-            result = one_stream(client, model_id, prompt, tokens)
-            with lock:
-                results.append(result)
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=600)
+    barrier.wait()
+    try:
+        out.put([one_stream(client, model_id, prompt, tokens) for _ in range(requests)])
+    except Exception as e:          # reported by the parent, which would otherwise wait for the results
+        out.put(f"a client failed: {e}")
 
-    started = time.perf_counter()
-    threads = [threading.Thread(target=client_loop) for _ in range(streams)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - started
+
+def run_streams(url: str, model_id: str, prompt: list[int], tokens: int, streams: int, requests: int) -> dict:
+    """`streams` clients at once, each in its own process (parsing the chunks of several streams in
+    one interpreter would make the client the bottleneck)."""
+    context = multiprocessing.get_context("spawn")
+    barrier, out = context.Barrier(streams), context.Queue()
+    workers = [context.Process(target=stream_worker, args=(barrier, out, url, model_id, prompt, tokens, requests))
+               for _ in range(streams)]
+    for worker in workers:
+        worker.start()
+    replies = [out.get(timeout=3600) for _ in workers]
+    for worker in workers:
+        worker.join(60)
+    failed = next((r for r in replies if isinstance(r, str)), None)
+    if failed:
+        raise SystemExit(failed)
+    results = [r for reply in replies for r in reply]
+    # perf_counter is the system's monotonic clock, so the processes' stamps compare.
+    wall = max(r["stamps"][-1] for r in results if r["stamps"]) - min(r["sent"] for r in results)
     ttft = [r["stamps"][0] - r["sent"] for r in results if r["stamps"]]
     gaps = [b - a for r in results for a, b in zip(r["stamps"], r["stamps"][1:])]
     # Each stream's decode rate as --bench counts it (bench.steady_rate): from the last token of the
@@ -162,7 +175,7 @@ def main(argv=None) -> int:
         one_stream(client, model_id, prompt, min(args.tokens, 32))          # warm-up
         result["runs"] = []
         for streams in args.streams:
-            run = run_streams(client, model_id, prompt, args.tokens, streams, args.requests)
+            run = run_streams(url, model_id, prompt, args.tokens, streams, args.requests)
             result["runs"].append(run)
             print(json.dumps(run), file=sys.stderr)
     finally:
