@@ -114,8 +114,9 @@ def tinf_config(hf: dict, n_layers: int | None = None) -> dict:
 
 
 def write_random_model(path, config: dict, quant: str = "q4", group: int | None = None, seed: int = 0,
-                       reuse_layers: bool = False):
-    """Write a .tinf with random weights in the encodings the converter would use for `quant`.
+                       reuse_layers: bool = False, chat_template: str | None = None):
+    """Write a .tinf with random weights in the encodings the converter would use for `quant`
+    (and the word-level tokenizer of synthetic_tokenizer, and chat_template if given).
 
     reuse_layers=True writes the same random bytes for every layer (fast for 7B-sized benchmarks;
     each layer is still its own region of the file and of GPU memory)."""
@@ -125,8 +126,9 @@ def write_random_model(path, config: dict, quant: str = "q4", group: int | None 
     group = DEFAULT_GROUP[quant] if group is None else group
     rng = np.random.default_rng(seed)
     specs = tensor_specs(config, quant, group, None)
-    metadata = {"config": config, "tokenizer": synthetic_tokenizer(config["vocab_size"]), "chat_template": None,
-                "generation": {}, "provenance": {"source": "random", "quant": quant, "group_size": group}}
+    metadata = {"config": config, "tokenizer": synthetic_tokenizer(config["vocab_size"]),
+                "chat_template": chat_template, "generation": {},
+                "provenance": {"source": "random", "quant": quant, "group_size": group}}
     made = {}
     with TinfWriter(path, metadata, specs) as writer:
         for spec in specs:
@@ -148,10 +150,12 @@ def write_random_model(path, config: dict, quant: str = "q4", group: int | None 
 
 # ------------------------------------------------------------------------------------------ bench
 
+BENCH_TEXT = "Once upon a time, in a small town by the sea, there lived an old clockmaker who " * 4
+
+
 def bench_prompt(model, length: int) -> list[int]:
     """A fixed prompt of `length` ids: BOS (if any) then the tokenization of some text, cut or padded."""
-    text = "Once upon a time, in a small town by the sea, there lived an old clockmaker who " * 4
-    ids = list(model.tokenizer.encode(text))
+    ids = list(model.tokenizer.encode(BENCH_TEXT))
     while len(ids) < length:
         ids += [i % model.config["vocab_size"] for i in range(3, 3 + length)]
     return ids[:length]

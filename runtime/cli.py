@@ -13,6 +13,7 @@ from tinyinfer.formats import TinyInferError
 from tinyinfer.runtime.errors import ContextOverflowError, LoadError
 from tinyinfer.runtime.hub_commands import push_command, tune_command
 from tinyinfer.runtime.model_store import list_command, pull_command, rm_command
+from tinyinfer.runtime.serve_command import serve_command
 
 
 def resolve_model(ref: str, token: str | None = None) -> Path:
@@ -101,6 +102,7 @@ def run_command(model, prompt, prompt_file, chat, system, max_tokens, temperatur
            tinyrun info MODEL    describe a .tinf file (--check: verify every tensor)
            tinyrun push FILE ORG/REPO   publish a .tinf file on the Hugging Face Hub
            tinyrun tune MODEL    store this GPU's autotune choices in the file
+           tinyrun serve MODEL   an OpenAI-compatible HTTP server (needs the [serve] extra)
     """
     if prompt is not None and prompt_file is not None:
         raise click.UsageError("pass the prompt with --prompt or with --file, not both.")
@@ -297,7 +299,7 @@ def group_tensors(infos, per_tensor: bool) -> dict:
 # ------------------------------------------------------------------------------------------ entry point
 
 SUBCOMMANDS = {"info": info_command, "push": push_command, "tune": tune_command,
-               "list": list_command, "pull": pull_command, "rm": rm_command}
+               "list": list_command, "pull": pull_command, "rm": rm_command, "serve": serve_command}
 
 
 def main(argv=None) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import numpy as np
 
@@ -272,6 +272,17 @@ class Model:
                 raise
             return cuda_batch.BatchEngine(self.backend, slots=None, max_context=context)
 
+    def generate_from_ids(self, ids, params: SamplingParams, max_tokens: int | None = None, seed: int | None = None,
+                          stop=None, cancelled: Callable[[], bool] | None = None) -> Iterator[str]:
+        """generate() for prompt ids already encoded (a server checks and counts them first).
+
+        cancelled() is asked after every token; once it says True the stream ends there (stop_reason
+        "cancelled") with the cache as consistent as after any other stop."""
+        ids = [int(i) for i in ids]
+        self.check_ids(np.asarray(ids, dtype=np.int64))
+        n_new = self.new_token_budget(len(ids), max_tokens)
+        return self._stream(ids, params, n_new, np.random.default_rng(seed), StopStrings(stop), cancelled)
+
     def reusable_prefix(self, ids: list[int], params: SamplingParams) -> int:
         """How many leading ids already have K/V in the cache (a chat's earlier turns), so only the rest
         is prefilled. At least one id is always forwarded, for its logits. The repetition penalty looks at
@@ -285,7 +296,7 @@ class Model:
             common += 1
         return min(common, len(ids) - 1)
 
-    def _stream(self, ids, params, n_new, rng, stops: StopStrings) -> Iterator[str]:
+    def _stream(self, ids, params, n_new, rng, stops: StopStrings, cancelled=None) -> Iterator[str]:
         detok = self.tokenizer.stream(prefix_ids=ids)
         reuse = self.reusable_prefix(ids, params)
         stats = self.last_stats = {"prompt_tokens": len(ids), "reused_tokens": reuse, "new_tokens": 0,
@@ -309,6 +320,9 @@ class Model:
                     yield text
                 if stopped:
                     stats["stop_reason"] = "stop_string"
+                    return
+                if cancelled is not None and cancelled():
+                    stats["stop_reason"] = "cancelled"
                     return
             text, stopped = stops.push(detok.flush())   # text held back for an incomplete character
             tail = text if stopped else text + stops.flush()

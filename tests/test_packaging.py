@@ -20,8 +20,14 @@ for pkg in ["convert", "runtime", "kernels", "formats"]:
     mod = importlib.import_module("tinyinfer." + pkg)
     assert mod.__file__.startswith(target), (mod.__file__, target)
     names += ["tinyinfer.%s.%s" % (pkg, m.name) for m in pkgutil.iter_modules(mod.__path__)]
+# Modules of an optional extra (pyproject.toml) import without it, or fail only for its packages.
+extras = {"tinyinfer.runtime.server": {"fastapi", "starlette", "uvicorn", "pydantic", "prometheus_client"}}
 for name in names:
-    importlib.import_module(name)
+    try:
+        importlib.import_module(name)
+    except ModuleNotFoundError as e:
+        if e.name.split(".")[0] not in extras.get(name, ()):
+            raise
 assert "cupy" not in sys.modules, "importing tinyinfer must not import cupy"
 repo_sources = sys.argv[2].split(",") if sys.argv[2] else []
 shipped = sorted(p.name for p in files("tinyinfer.kernels").iterdir() if p.name.endswith((".cu", ".cuh")))
