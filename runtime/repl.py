@@ -9,7 +9,10 @@ holds the conversation, so the next turn is prefilled from where it stopped.
 from __future__ import annotations
 
 import os
+import signal
 import sys
+import threading
+from contextlib import contextmanager
 from pathlib import Path
 
 from tinyinfer.formats import TinyInferError
@@ -159,13 +162,16 @@ class Chat:
         try:
             if self.verbose_prompt:
                 show_prompt(self.model, self.messages(), chat=True, system=None)
-            chunks = self.model.generate(self.messages(), chat=True, **self.options)
-            for chunk in chunks:
-                text.append(chunk)
-                sys.stdout.write(chunk)
-                sys.stdout.flush()
+            with ctrl_c_as_flag() as stopped:
+                chunks = self.model.generate(self.messages(), chat=True, **self.options)
+                for chunk in chunks:
+                    text.append(chunk)
+                    sys.stdout.write(chunk)
+                    sys.stdout.flush()
+                    if stopped.is_set():
+                        break     # the reply stops here; what was written is kept below
         except KeyboardInterrupt:
-            pass                  # the reply stops here; what was written is kept below
+            pass                  # (off the main thread Ctrl-C still raises)
         except ContextOverflowError as e:
             print(f"error: {overflow_message(e, self.model, chat=True, explicit=self.explicit_max_tokens)}",
                   file=sys.stderr)
@@ -279,3 +285,19 @@ class Chat:
             f"  backend        {backend}",
             f"  conversation   {len(self.history)} messages",
         ])
+
+
+@contextmanager
+def ctrl_c_as_flag():
+    """While a reply streams, Ctrl-C sets a flag read between chunks instead of raising: a
+    KeyboardInterrupt could land between keeping a chunk and showing it, and the kept turn would then
+    differ from what the user saw (llama.cpp's chat stops at a flag too)."""
+    stopped = threading.Event()
+    if threading.current_thread() is not threading.main_thread():
+        yield stopped
+        return
+    previous = signal.signal(signal.SIGINT, lambda *_: stopped.set())
+    try:
+        yield stopped
+    finally:
+        signal.signal(signal.SIGINT, previous)
