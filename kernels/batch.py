@@ -22,10 +22,15 @@ PIECE_COLS = {"f16": 32, "q8": 64, "q4": 128}        # columns of a 64-byte piec
 GEMV_NB = (1, 2, 4)          # batch_gemv<ENC, NB> instances: 8, 16 or 32 rows
 STAGE_BYTES = 64 << 10       # shared memory for a block's staged h
 BLOCKS_PER_SM = 2            # the GEMV grid aims at this many blocks per SM
-ATTENTION_THREADS = 128
+ATTENTION_WARPS = 8          # BA_WARPS
+ATTENTION_THREADS = 32 * ATTENTION_WARPS
 MAX_GROUP = 8                # BA_MAX_GROUP: query heads per KV head
 MAX_SHARED_BYTES = 227 << 10  # a block's opt-in shared memory on Hopper, where the device does not say
 MAX_ROWS = 32
+RMSNORM_ELEMS = 8            # BR_ELEMS: row elements per batch_rmsnorm thread
+RMSNORM_THREADS = 1024
+MAX_DIM = RMSNORM_ELEMS * RMSNORM_THREADS
+ROPE_THREADS = 64             # batch_rope_store's launch bound: a thread per pair of columns
 
 
 def gemv_name(encoding: str, padded: int) -> str:
@@ -112,6 +117,11 @@ def make_gemv(mod, encoding: str, plan: GemvPlan, weight_ptr: int, scale_ptr: in
         shared_mem=plan.shared_bytes, bytes_read=plan.rows * row_bytes(encoding, plan.kpad), waits=True)
 
 
+def warps_of(threads: int) -> int:
+    """threads rounded up to whole warps."""
+    return 32 * -(-threads // 32)
+
+
 def slice_args(parts, plan: GemvPlan | None):
     """(parts, slices, floats per slice) of a linear's output; no slices for a consumer with none."""
     if plan is None:
@@ -120,27 +130,38 @@ def slice_args(parts, plan: GemvPlan | None):
 
 
 def make_rmsnorm(mod, n_rows: int, x, parts, plan, weight, dim: int, eps: float, out, ldo: int) -> Launch:
+    if dim > MAX_DIM:
+        raise ValueError(f"batch_rmsnorm takes rows of up to {MAX_DIM} elements")
     p, s, stride = slice_args(parts, plan)
-    return Launch("batch_rmsnorm", mod.get_function("batch_rmsnorm"), (n_rows,), (256,), (
+    threads = min(RMSNORM_THREADS, warps_of(dim))
+    return Launch("batch_rmsnorm", mod.get_function("batch_rmsnorm"), (n_rows,), (threads,), (
         x, p, s, stride, weight, np.int32(dim), np.float32(eps), out, np.int32(ldo)), waits=True)
 
 
 def make_rope_store(mod, n_rows: int, parts, plan, bias, positions, slots, n_heads: int, n_kv: int, hd: int,
                     rope_cos, rope_sin, q_out, k_cache, v_cache, slot_stride: int) -> Launch:
+    if not 2 <= hd <= 2 * ROPE_THREADS or hd % 2:
+        raise ValueError(f"batch_rope_store takes an even head_dim of up to {2 * ROPE_THREADS}")
     p, s, stride = slice_args(parts, plan)
-    return Launch("batch_rope_store", mod.get_function("batch_rope_store"), (n_rows,), (256,), (
+    return Launch("batch_rope_store", mod.get_function("batch_rope_store"), (n_rows, n_heads + n_kv),
+                  (warps_of(hd // 2),), (
         p, s, stride, bias if bias is not None else np.uint64(0), positions, slots, np.int32(n_heads),
         np.int32(n_kv), np.int32(hd), rope_cos, rope_sin, np.float32(1.0 / math.sqrt(hd)), q_out, k_cache, v_cache,
         np.int64(slot_stride)), waits=True)
 
 
 def attention_shared_bytes(head_dim: int, max_keys: int, group: int) -> int:
-    """q, the scores and the p . V parts of one block: every query head of a KV head's group."""
-    return 4 * group * (head_dim + max_keys + ATTENTION_THREADS)
+    """The scores and the warps' p . V sums of one block: every query head of a KV head's group."""
+    return 4 * group * (max_keys + ATTENTION_WARPS * head_dim)
+
+
+def attention_max_keys(shared_bytes: int, head_dim: int, group: int) -> int:
+    """The most positions whose scores fit a block's shared memory (attention_shared_bytes)."""
+    return shared_bytes // (4 * group) - ATTENTION_WARPS * head_dim
 
 
 def attention_supports(n_heads: int, n_kv: int, head_dim: int) -> bool:
-    return n_heads % n_kv == 0 and n_heads // n_kv <= MAX_GROUP and head_dim % 8 == 0 and head_dim <= ATTENTION_THREADS
+    return n_heads % n_kv == 0 and n_heads // n_kv <= MAX_GROUP and head_dim % 8 == 0 and head_dim <= 128
 
 
 def make_attention(mod, n_rows: int, q, k_cache, v_cache, slot_stride: int, positions, slots, n_heads: int,
