@@ -24,6 +24,7 @@ STAGE_BYTES = 64 << 10       # shared memory for a block's staged h
 BLOCKS_PER_SM = 2            # the GEMV grid aims at this many blocks per SM
 ATTENTION_WARPS = 8          # BA_WARPS
 ATTENTION_THREADS = 32 * ATTENTION_WARPS
+ATTENTION_UNROLL = 4         # BA_UNROLL: key rows in flight per lane
 MAX_GROUP = 8                # BA_MAX_GROUP: query heads per KV head
 MAX_SHARED_BYTES = 227 << 10  # a block's opt-in shared memory on Hopper, where the device does not say
 MAX_ROWS = 32
