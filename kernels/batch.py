@@ -21,7 +21,9 @@ ENCODING_ID = {"f16": 0, "q8": 1, "q4": 2}           # BG_F16, BG_Q8, BG_Q4
 PIECE_COLS = {"f16": 32, "q8": 64, "q4": 128}        # columns of a 64-byte piece (BatchEncoding)
 GEMV_NB = (1, 2, 4)          # batch_gemv<ENC, NB> instances: 8, 16 or 32 rows
 STAGE_BYTES = 64 << 10       # shared memory for a block's staged h
-BLOCKS_PER_SM = 2            # the GEMV grid aims at this many blocks per SM
+BLOCKS_PER_SM = 2            # GEMV blocks resident per SM (__launch_bounds__ minimum)
+MAX_WIDEN = 8                # the most tiles per warp a GEMV plan considers
+BLOCK_START_ITEMS = 2        # gemv_cost: a block's start, in items
 ATTENTION_WARPS = 8          # BA_WARPS
 ATTENTION_THREADS = 32 * ATTENTION_WARPS
 ATTENTION_UNROLL = 4         # BA_UNROLL: key rows in flight per lane
@@ -85,22 +87,33 @@ class GemvPlan:
 
 
 def plan_gemv(rows: int, kpad: int, padded: int, n_sms: int, encoding: str = "q4") -> GemvPlan:
-    """Slices of K as long as the staged h fits STAGE_BYTES, split further until the grid has
-    BLOCKS_PER_SM blocks per SM, then more tiles per block while that many remain: each block reads
-    its slice of h once, so fewer, longer blocks read h fewer times."""
+    """The split of least cost (gemv_cost) over K slices (the staged h within STAGE_BYTES) and tiles
+    per warp; among equal costs the fewest slices (the consumer adds every slice), then the fewest
+    tiles per block."""
     piece_cols = PIECE_COLS[encoding]
     pieces = kpad // piece_cols
     max_pieces = max(1, STAGE_BYTES // (padded * piece_cols * 2))
-    tiles = -(-rows // 16)
-    row_groups = -(-tiles // GEMV_WARPS)
-    per_slice = min(pieces, max_pieces)
+    row_groups = -(-(-(-rows // 16)) // GEMV_WARPS)
     target = BLOCKS_PER_SM * n_sms
-    while row_groups * -(-pieces // per_slice) < target and per_slice > 2:
-        per_slice = -(-per_slice // 2)
-    slices = -(-pieces // per_slice)
-    per_slice = -(-pieces // slices)                     # even slices
-    widen = max(1, row_groups * slices // target)
+    best = None
+    for per_slice in range(min(pieces, max_pieces), 0, -1):
+        slices = -(-pieces // per_slice)
+        per_slice = -(-pieces // slices)                  # even slices
+        for widen in range(1, MAX_WIDEN + 1):
+            blocks = -(-row_groups // widen) * slices
+            key = (gemv_cost(blocks, target, widen, per_slice, padded), slices, widen, per_slice)
+            best = key if best is None or key < best else best
+    _, slices, widen, per_slice = best
     return GemvPlan(rows, kpad, padded, per_slice, slices, GEMV_WARPS * widen, piece_cols)
+
+
+def gemv_cost(blocks: int, target: int, tiles_per_warp: int, per_slice: int, padded: int) -> float:
+    """A GEMV's time in units of one item (a warp's 16 rows x one piece): the grid runs in waves of
+    `target` resident blocks and a partial wave takes as long as a full one; a block takes its warps'
+    items, each tile's stored partial sums (padded / 16 items' worth of bytes), and a fixed start
+    (staging h, filling the load pipeline)."""
+    waves = -(-blocks // target)
+    return waves * (tiles_per_warp * (per_slice + padded / 16) + BLOCK_START_ITEMS)
 
 
 # ------------------------------------------------------------------------------------- launches
