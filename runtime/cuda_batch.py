@@ -181,9 +181,10 @@ class BatchEngine:
         return self.plans[key]
 
     def parts_floats(self) -> int:
-        """The partial sums of the largest linear at the largest step."""
-        return max(self.plan_for(name, batch_k.padded_rows(MAX_SLOTS)).parts_floats
-                   for name in cuda_prefill.linear_names(self.config))
+        """The partial sums of the largest linear's plan at any step size (a smaller step's plan may
+        have more slices)."""
+        return max(self.plan_for(name, padded).parts_floats for name in cuda_prefill.linear_names(self.config)
+                   for padded in {batch_k.padded_rows(n) for n in BUCKETS})
 
     def kpad(self, role: str) -> int:
         return gemv_k.shape_of(self.tinf.info(f"layers.0.{role}")).cols_pad
