@@ -268,7 +268,7 @@ extern "C" __global__ void __launch_bounds__(1024) batch_rmsnorm(
         v[e] = k < dim ? row[k] : 0.f;
         added[e] = 0.f;
     }
-#pragma unroll 4
+#pragma unroll 8
     for (int s = 0; s < n_slices; ++s) {
         const float* slice = row_parts + (size_t)s * slice_stride;
 #pragma unroll
