@@ -535,8 +535,11 @@ extern "C" __global__ void __launch_bounds__(256) batch_swiglu(
     }
 }
 
+#define BL_UNROLL 8          // logits each batch_logits thread sums before it stores any
+
 // Row b (grid (B), block 1024): logits[b] = the head's slices' sum, best[b] = its argmax (the lowest
-// id among equal maxima, as np.argmax; NaN never wins).
+// id among equal maxima, as np.argmax; NaN never wins). A thread sums BL_UNROLL logits, then stores
+// them: a store may alias parts, so loads after it could not start before it.
 extern "C" __global__ void __launch_bounds__(1024) batch_logits(
     const float* parts, int n_slices, long long slice_stride, int vocab, float* logits, int* best)
 {
@@ -547,10 +550,21 @@ extern "C" __global__ void __launch_bounds__(1024) batch_logits(
     const int b = blockIdx.x;
     float value = -TI_INF;
     int id = 0x7fffffff;
-    for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
-        const float v = slice_sum(parts, n_slices, (size_t)slice_stride, (size_t)b * vocab + i);
-        logits[(size_t)b * vocab + i] = v;
-        if (v > value) { value = v; id = i; }          // ascending i: the first maximum stays
+    for (int start = threadIdx.x; start < vocab; start += BL_UNROLL * blockDim.x) {
+        float v[BL_UNROLL];
+#pragma unroll
+        for (int u = 0; u < BL_UNROLL; ++u) {
+            const int i = start + u * blockDim.x;
+            v[u] = i < vocab ? slice_sum(parts, n_slices, (size_t)slice_stride, (size_t)b * vocab + i) : 0.f;
+        }
+#pragma unroll
+        for (int u = 0; u < BL_UNROLL; ++u) {
+            const int i = start + u * blockDim.x;
+            if (i < vocab) {
+                logits[(size_t)b * vocab + i] = v[u];
+                if (v[u] > value) { value = v[u]; id = i; }    // ascending i: the first maximum stays
+            }
+        }
     }
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) {
