@@ -33,7 +33,8 @@ MAX_ROWS = 32
 RMSNORM_ELEMS = 8            # BR_ELEMS: row elements per batch_rmsnorm thread
 RMSNORM_THREADS = 1024
 MAX_DIM = RMSNORM_ELEMS * RMSNORM_THREADS
-ROPE_THREADS = 64             # batch_rope_store's launch bound: a thread per pair of columns
+ROPE_THREADS = 64            # batch_rope_store's launch bound: a thread per pair of columns
+MAX_HEAD_DIM = 2 * ROPE_THREADS
 
 
 def gemv_name(encoding: str, padded: int) -> str:
@@ -93,7 +94,8 @@ def plan_gemv(rows: int, kpad: int, padded: int, n_sms: int, encoding: str = "q4
     piece_cols = PIECE_COLS[encoding]
     pieces = kpad // piece_cols
     max_pieces = max(1, STAGE_BYTES // (padded * piece_cols * 2))
-    row_groups = -(-(-(-rows // 16)) // GEMV_WARPS)
+    tiles = -(-rows // 16)
+    row_groups = -(-tiles // GEMV_WARPS)
     target = BLOCKS_PER_SM * n_sms
     best = None
     for per_slice in range(min(pieces, max_pieces), 0, -1):
@@ -154,8 +156,8 @@ def make_rmsnorm(mod, n_rows: int, x, parts, plan, weight, dim: int, eps: float,
 
 def make_rope_store(mod, n_rows: int, parts, plan, bias, positions, slots, n_heads: int, n_kv: int, hd: int,
                     rope_cos, rope_sin, q_out, k_cache, v_cache, slot_stride: int) -> Launch:
-    if not 2 <= hd <= 2 * ROPE_THREADS or hd % 2:
-        raise ValueError(f"batch_rope_store takes an even head_dim of up to {2 * ROPE_THREADS}")
+    if not 2 <= hd <= MAX_HEAD_DIM or hd % 2:
+        raise ValueError(f"batch_rope_store takes an even head_dim of up to {MAX_HEAD_DIM}")
     p, s, stride = slice_args(parts, plan)
     return Launch("batch_rope_store", mod.get_function("batch_rope_store"), (n_rows, n_heads + n_kv),
                   (warps_of(hd // 2),), (
@@ -175,7 +177,7 @@ def attention_max_keys(shared_bytes: int, head_dim: int, group: int) -> int:
 
 
 def attention_supports(n_heads: int, n_kv: int, head_dim: int) -> bool:
-    return n_heads % n_kv == 0 and n_heads // n_kv <= MAX_GROUP and head_dim % 8 == 0 and head_dim <= 128
+    return n_heads % n_kv == 0 and n_heads // n_kv <= MAX_GROUP and head_dim % 8 == 0 and head_dim <= MAX_HEAD_DIM
 
 
 def make_attention(mod, n_rows: int, q, k_cache, v_cache, slot_stride: int, positions, slots, n_heads: int,
