@@ -426,6 +426,20 @@ def as_array(pointer_or_array, dtype, count: int, registry: dict) -> np.ndarray:
     raise AssertionError(f"pointer {address:#x} into no known buffer")
 
 
+def check_threads(name: str, grid, block, args) -> None:
+    """The grid and block a kernel's thread mapping needs (batch.cu): RMSNorm's BR_ELEMS elements per
+    thread cover the row, RoPE has a block per (row, head) and a thread per pair of columns within its
+    launch bound, attention a block of BA_WARPS warps per (KV head, row)."""
+    if name == "batch_rmsnorm":
+        assert block[0] % 32 == 0 and block[0] <= batch_k.RMSNORM_THREADS
+        assert batch_k.RMSNORM_ELEMS * block[0] >= int(args[5]), "batch_rmsnorm's threads do not cover the row"
+    elif name == "batch_rope_store":
+        n_heads, n_kv, hd = (int(a) for a in args[6:9])
+        assert grid[1] == n_heads + n_kv and hd // 2 <= block[0] <= batch_k.ROPE_THREADS
+    elif name == "batch_attention":
+        assert block[0] == batch_k.ATTENTION_THREADS and grid[0] == int(args[7])
+
+
 class EmulatedKernel(FakeKernel):
     """A batch.cu or prefill.cu kernel run by its NumPy reference, reading and writing the engine's
     host buffers through the very arguments the launch passes (pointers, strides, counts)."""
@@ -435,6 +449,7 @@ class EmulatedKernel(FakeKernel):
         self.world = world
 
     def __call__(self, grid, block, args, shared_mem=0, stream=None):
+        check_threads(self.name.split("<")[0], grid, block, args)
         if self.world["capturing"] is not None:
             self.world["capturing"].append((self, grid, args))
             return
