@@ -113,7 +113,7 @@ TI_DEVICE uint4 staged_quad(uint4 v) {
 // dequantization rounds them.
 //
 // Grid (row groups of tiles_per_block tiles, K slices of pieces_per_slice pieces); block BG_WARPS
-// warps, warp w takes tiles w, w + BG_WARPS, ... of its group over its slice, two items' loads in
+// warps, warp w takes tiles w, w + BG_WARPS, ... of its group over its slice, three items' loads in
 // flight ahead of the products. Dynamic shared memory: NB * 8 rows x the slice's columns, fp16.
 template <int ENC, int NB>
 __global__ void __launch_bounds__(BG_WARPS * 32, 2) batch_gemv(
@@ -155,11 +155,12 @@ __global__ void __launch_bounds__(BG_WARPS * 32, 2) batch_gemv(
         return it;
     };
 
-    // The first two items' weights are requested before the previous kernel has finished.
+    // The first three items' weights are requested before the previous kernel has finished.
     pdl_launch_dependents();
-    WeightItem cur, next;
+    WeightItem cur, next, later;
     if (n_items > 0) cur = load_item(0);
     if (n_items > 1) next = load_item(1);
+    if (n_items > 2) later = load_item(2);
     pdl_wait();
 
     const int stage_items = NB * 8 * np * 4 * E::quads;  // (row b, piece, lane t, quad j), j fastest
@@ -179,7 +180,7 @@ __global__ void __launch_bounds__(BG_WARPS * 32, 2) batch_gemv(
 
     for (int k = 0; k < n_items; ++k) {
         WeightItem after;
-        if (k + 2 < n_items) after = load_item(k + 2);
+        if (k + 3 < n_items) after = load_item(k + 3);
         const int p = k % np;
         const __half2 s_lo = __half2half2(cur.s_lo), s_hi = __half2half2(cur.s_hi);
 #pragma unroll
@@ -213,7 +214,8 @@ __global__ void __launch_bounds__(BG_WARPS * 32, 2) batch_gemv(
             }
         }
         cur = next;
-        next = after;
+        next = later;
+        later = after;
     }
 }
 
