@@ -185,7 +185,8 @@ def emulate_attention(q, k_cache, v_cache, positions, slots, n_kv: int, window: 
             probs = np.exp(scores - scores.max(-1, keepdims=True))
             for warp, piece, key in lanes:                                # p . V
                 cols = slice(8 * piece, 8 * piece + 8)
-                pv[warp, :, cols] += probs[:, key: key + 1] * v_cache[slots[b], first + key, kvh, cols].astype(np.float32)
+                row = v_cache[slots[b], first + key, kvh, cols].astype(np.float32)
+                pv[warp, :, cols] += probs[:, key: key + 1] * row
             assert (read == 1).all(), "a key column read twice or never"
             heads_out = pv.sum(0) / probs.sum(-1, keepdims=True)
             out[b, kvh * group * hd: (kvh + 1) * group * hd] = heads_out.reshape(-1)
