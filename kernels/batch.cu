@@ -113,7 +113,7 @@ TI_DEVICE uint4 staged_quad(uint4 v) {
 // dequantization rounds them.
 //
 // Grid (row groups of tiles_per_block tiles, K slices of pieces_per_slice pieces); block BG_WARPS
-// warps, warp w takes tiles w, w + BG_WARPS, ... of its group over its slice, two items' loads in
+// warps, warp w takes tiles w, w + BG_WARPS, ... of its group over its slice, three items' loads in
 // flight ahead of the products. Dynamic shared memory: NB * 8 rows x the slice's columns, fp16.
 template <int ENC, int NB>
 __global__ void __launch_bounds__(BG_WARPS * 32, 2) batch_gemv(
@@ -155,11 +155,12 @@ __global__ void __launch_bounds__(BG_WARPS * 32, 2) batch_gemv(
         return it;
     };
 
-    // The first two items' weights are requested before the previous kernel has finished.
+    // The first three items' weights are requested before the previous kernel has finished.
     pdl_launch_dependents();
-    WeightItem cur, next;
+    WeightItem cur, next, later;
     if (n_items > 0) cur = load_item(0);
     if (n_items > 1) next = load_item(1);
+    if (n_items > 2) later = load_item(2);
     pdl_wait();
 
     const int stage_items = NB * 8 * np * 4 * E::quads;  // (row b, piece, lane t, quad j), j fastest
@@ -179,7 +180,7 @@ __global__ void __launch_bounds__(BG_WARPS * 32, 2) batch_gemv(
 
     for (int k = 0; k < n_items; ++k) {
         WeightItem after;
-        if (k + 2 < n_items) after = load_item(k + 2);
+        if (k + 3 < n_items) after = load_item(k + 3);
         const int p = k % np;
         const __half2 s_lo = __half2half2(cur.s_lo), s_hi = __half2half2(cur.s_hi);
 #pragma unroll
@@ -213,7 +214,8 @@ __global__ void __launch_bounds__(BG_WARPS * 32, 2) batch_gemv(
             }
         }
         cur = next;
-        next = after;
+        next = later;
+        later = after;
     }
 }
 
@@ -236,16 +238,22 @@ template __global__ void batch_gemv<BG_Q4,2>(const unsigned char*, const __half*
 template __global__ void batch_gemv<BG_Q4,4>(const unsigned char*, const __half*, int, int, int, const __half*, int,
                                            int, int, float*);
 
-// Sum of the K slices' partial sums of element i of row b (a linear's [slices][rows_pad][n] parts).
+// Sum of the K slices' partial sums of element i of row b (a linear's [slices][rows_pad][n] parts);
+// unrolled so that several slices' loads are in flight at once.
 TI_DEVICE float slice_sum(const float* parts, int n_slices, size_t slice_stride, size_t index) {
     float total = 0.f;
+#pragma unroll 8
     for (int s = 0; s < n_slices; ++s) total += parts[s * slice_stride + index];
     return total;
 }
 
-// Row b (grid (B), block 256): x[b] += the slices of parts (n_slices = 0: none), then
-// out[b] = rms_norm(x[b]) * w as fp16. parts: [n_slices][slice_stride / dim][dim].
-extern "C" __global__ void __launch_bounds__(256) batch_rmsnorm(
+#define BR_ELEMS 8          // elements of a row per batch_rmsnorm thread: dim <= 8 * blockDim.x
+
+// Row b (grid (B), block min(1024, dim) rounded to warps): x[b] += the slices of parts (n_slices = 0:
+// none), then out[b] = rms_norm(x[b]) * w as fp16. Each thread holds its BR_ELEMS elements in
+// registers and adds every slice to all of them before it stores anything, so its loads of one
+// slice (and, unrolled, of several) are in flight together. parts: [n_slices][slice_stride / dim][dim].
+extern "C" __global__ void __launch_bounds__(1024) batch_rmsnorm(
     float* x, const float* parts, int n_slices, long long slice_stride,
     const float* __restrict__ w, int dim, float eps, __half* out, int ldo)
 {
@@ -254,24 +262,47 @@ extern "C" __global__ void __launch_bounds__(256) batch_rmsnorm(
     pdl_wait();
     const int b = blockIdx.x;
     float* row = x + (size_t)b * dim;
-    float ss = 0.f;
-    for (int k = threadIdx.x; k < dim; k += blockDim.x) {
-        float v = row[k];
-        if (n_slices > 0) {
-            v += slice_sum(parts, n_slices, (size_t)slice_stride, (size_t)b * dim + k);
-            row[k] = v;
+    const float* row_parts = parts + (size_t)b * dim;
+    float v[BR_ELEMS], added[BR_ELEMS];
+#pragma unroll
+    for (int e = 0; e < BR_ELEMS; ++e) {
+        const int k = threadIdx.x + e * blockDim.x;
+        v[e] = k < dim ? row[k] : 0.f;
+        added[e] = 0.f;
+    }
+#pragma unroll 8
+    for (int s = 0; s < n_slices; ++s) {
+        const float* slice = row_parts + (size_t)s * slice_stride;
+#pragma unroll
+        for (int e = 0; e < BR_ELEMS; ++e) {
+            const int k = threadIdx.x + e * blockDim.x;
+            if (k < dim) added[e] += slice[k];
         }
-        ss += v * v;
+    }
+    float ss = 0.f;
+#pragma unroll
+    for (int e = 0; e < BR_ELEMS; ++e) {
+        const int k = threadIdx.x + e * blockDim.x;
+        if (n_slices > 0) {
+            v[e] += added[e];
+            if (k < dim) row[k] = v[e];
+        }
+        ss += v[e] * v[e];
     }
     const float factor = rsqrtf(block_sum(ss, scratch) / (float)dim + eps);
-    for (int k = threadIdx.x; k < dim; k += blockDim.x)
-        out[(size_t)b * ldo + k] = __float2half_rn(row[k] * factor * w[k]);
+#pragma unroll
+    for (int e = 0; e < BR_ELEMS; ++e) {
+        const int k = threadIdx.x + e * blockDim.x;
+        if (k < dim) out[(size_t)b * ldo + k] = __float2half_rn(v[e] * factor * w[k]);
+    }
 }
 
-// Row b (grid (B), block 256): qkv = the slices' sum (+ bias, Qwen2's; nullptr: none); q rotated
-// (rotate-half, tables [ctx][hd/2]) and times q_scale into q_out [B][n_heads][hd] float32; k
-// rotated and v into the row's slot of this layer's cache [slots][ctx][n_kv][hd] at its position.
-extern "C" __global__ void __launch_bounds__(256) batch_rope_store(
+// One head of row b per block (grid (B, n_heads + n_kv), block hd / 2 rounded to warps; thread d
+// takes columns d and d + hd / 2): qkv = the slices' sum (+ bias, Qwen2's; nullptr: none); a query
+// head rotated (rotate-half, tables [ctx][hd/2]) and times q_scale into q_out [B][n_heads][hd]
+// float32; a KV head's k rotated and its v into the row's slot of this layer's cache
+// [slots][ctx][n_kv][hd] at its position.
+extern "C" __global__ void __launch_bounds__(64) batch_rope_store(
     const float* parts, int n_slices, long long slice_stride, const float* __restrict__ bias,
     const int* __restrict__ positions, const int* __restrict__ slots, int n_heads, int n_kv, int hd,
     const float* __restrict__ rope_cos, const float* __restrict__ rope_sin, float q_scale,
@@ -279,108 +310,155 @@ extern "C" __global__ void __launch_bounds__(256) batch_rope_store(
 {
     pdl_launch_dependents();
     pdl_wait();
-    const int b = blockIdx.x, pos = positions[b], half_hd = hd >> 1;
+    const int b = blockIdx.x, head = blockIdx.y, d = threadIdx.x, half_hd = hd >> 1;
+    if (d >= half_hd) return;
+    const int pos = positions[b];
     const int width = (n_heads + 2 * n_kv) * hd;
     auto value = [&](int i) {
         const float v = slice_sum(parts, n_slices, (size_t)slice_stride, (size_t)b * width + i);
         return bias ? v + bias[i] : v;
     };
-    const float* cos_p = rope_cos + (size_t)pos * half_hd;
-    const float* sin_p = rope_sin + (size_t)pos * half_hd;
-    float* q = q_out + (size_t)b * n_heads * hd;
-    for (int i = threadIdx.x; i < n_heads * half_hd; i += blockDim.x) {
-        const int hh = i / half_hd, d = i % half_hd;
-        const float a = value(hh * hd + d), c = value(hh * hd + d + half_hd);
-        q[hh * hd + d] = (a * cos_p[d] - c * sin_p[d]) * q_scale;
-        q[hh * hd + d + half_hd] = (c * cos_p[d] + a * sin_p[d]) * q_scale;
+    const float cos_d = rope_cos[(size_t)pos * half_hd + d], sin_d = rope_sin[(size_t)pos * half_hd + d];
+    if (head < n_heads) {
+        const int i = head * hd + d;
+        const float a = value(i), c = value(i + half_hd);
+        float* q = q_out + (size_t)b * n_heads * hd;
+        q[i] = (a * cos_d - c * sin_d) * q_scale;
+        q[i + half_hd] = (c * cos_d + a * sin_d) * q_scale;
+        return;
     }
-    const size_t cache_row = (size_t)slots[b] * slot_stride + (size_t)pos * n_kv * hd;
-    const int k0 = n_heads * hd, v0 = (n_heads + n_kv) * hd;
-    for (int i = threadIdx.x; i < n_kv * half_hd; i += blockDim.x) {
-        const int hh = i / half_hd, d = i % half_hd;
-        const float a = value(k0 + hh * hd + d), c = value(k0 + hh * hd + d + half_hd);
-        k_cache[cache_row + hh * hd + d] = __float2half_rn(a * cos_p[d] - c * sin_p[d]);
-        k_cache[cache_row + hh * hd + d + half_hd] = __float2half_rn(c * cos_p[d] + a * sin_p[d]);
-    }
-    for (int i = threadIdx.x; i < n_kv * hd; i += blockDim.x)
-        v_cache[cache_row + i] = __float2half_rn(value(v0 + i));
+    const int kv = head - n_heads;
+    const int k_col = n_heads * hd + kv * hd + d, v_col = (n_heads + n_kv) * hd + kv * hd + d;
+    const float a = value(k_col), c = value(k_col + half_hd);
+    const float v_lo = value(v_col), v_hi = value(v_col + half_hd);
+    const size_t at = (size_t)slots[b] * slot_stride + ((size_t)pos * n_kv + kv) * hd + d;
+    k_cache[at] = __float2half_rn(a * cos_d - c * sin_d);
+    k_cache[at + half_hd] = __float2half_rn(c * cos_d + a * sin_d);
+    v_cache[at] = __float2half_rn(v_lo);
+    v_cache[at + half_hd] = __float2half_rn(v_hi);
 }
 
 #define BA_MAX_GROUP 8     // query heads per KV head that batch_attention handles in one block
+#define BA_WARPS 8         // warps of a batch_attention block
+#define BA_UNROLL 4        // key rows whose 16-byte pieces each lane has in flight at once
 
-// One (KV head, row) per block (grid (n_kv, B), block 128): for each of the KV head's `group` query
-// heads, softmax(q K^T) V over the row's slot, cache rows first_key(pos, window)..pos, in float32
-// from the fp16 cache, so each K and V row is read once for the whole group. Thread i scores keys
-// i, i + 128, ... (its own 16-byte loads of each key row, one sum per query head), the scores stay
-// in shared memory, and for p . V threads (d, part) sum the keys of their part, each V value used
-// for every head of the group. Dynamic shared memory: floats group * hd (q) + group * n_keys_max
-// (scores) + group * 128 (p . V parts).
-extern "C" __global__ void __launch_bounds__(128) batch_attention(
+// Eight fp16 of a 16-byte piece as floats.
+TI_DEVICE void unpack_halves8(uint4 raw, float (&f)[8]) {
+    const u32 words[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+        const float2 pair = __half22float2(as_half2(words[e]));
+        f[2 * e] = pair.x;
+        f[2 * e + 1] = pair.y;
+    }
+}
+
+// One (KV head, row) per block (grid (n_kv, B), block BA_WARPS warps): for each of the KV head's
+// `group` query heads, softmax(q K^T) V over the row's slot, cache rows first_key(pos, window)..pos,
+// in float32 from the fp16 cache, so each K and V row is read once for the whole group.
+// A key row is hd / 8 pieces of 16 bytes, one per lane of a lane group (lanes_per_key: hd / 8
+// rounded up to a power of two), so a warp takes 32 / lanes_per_key keys at a time and every lane
+// has BA_UNROLL pieces in flight: the block reads its keys in a few wide passes instead of one key
+// per thread after another. Scores: each lane's 8 columns times q's (in registers, every head of
+// the group), summed over the lane group by shuffles, kept in shared memory; softmax over them by
+// the whole block; p . V: each lane adds p times its piece of V rows into 8 columns per head, the
+// lane groups of a warp are added by shuffles and the warps in shared memory, in a fixed order.
+// Dynamic shared memory: floats group * max_keys (scores) + BA_WARPS * group * hd (p . V of warps).
+extern "C" __global__ void __launch_bounds__(BA_WARPS * 32) batch_attention(
     const float* q, const __half* k_cache, const __half* v_cache,
     long long slot_stride, const int* __restrict__ positions, const int* __restrict__ slots,
     int n_heads, int n_kv, int hd, int window, int max_keys, __half* out, int ldo)
 {
     extern __shared__ __align__(16) float ba_smem[];
-    __shared__ float reduce[BA_MAX_GROUP][4];          // per head, per warp
+    __shared__ float warp_best[BA_MAX_GROUP][BA_WARPS];
+    __shared__ float warp_total[BA_MAX_GROUP][BA_WARPS];
     pdl_launch_dependents();
     pdl_wait();
     const int kvh = blockIdx.x, b = blockIdx.y;
     const int group = n_heads / n_kv;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int pieces = hd >> 3;
+    int lanes_per_key = 1;
+    while (lanes_per_key < pieces) lanes_per_key <<= 1;
+    const int keys_per_warp = 32 / lanes_per_key;
+    const int piece = lane & (lanes_per_key - 1), sub = lane / lanes_per_key;
+    const bool has_piece = piece < pieces;
+    const int keys_per_round = BA_WARPS * keys_per_warp;     // one piece of a row per lane
+    const int my_key = warp * keys_per_warp + sub;           // the lane's key in each round
     const int pos = positions[b];
     const int first = window > 0 ? max(0, pos - window + 1) : 0;
     const int n_keys = pos - first + 1;
-    float* qs = ba_smem;                              // [group][hd]
-    float* scores = qs + group * hd;                  // [group][max_keys]
-    float* pv = scores + group * max_keys;            // [group][128]
-    for (int i = threadIdx.x; i < group * hd; i += blockDim.x)
-        qs[i] = q[((size_t)b * n_heads + kvh * group) * hd + i];
-    __syncthreads();
+    float* scores = ba_smem;                                  // [group][max_keys]
+    float* pv = scores + group * max_keys;                    // [BA_WARPS][group][hd]
 
     const size_t row_stride = (size_t)n_kv * hd;
-    const size_t base = (size_t)slots[b] * slot_stride + (size_t)first * row_stride + (size_t)kvh * hd;
+    const size_t base = (size_t)slots[b] * slot_stride + (size_t)first * row_stride + (size_t)kvh * hd + 8 * piece;
     const __half* k_rows = k_cache + base;
     const __half* v_rows = v_cache + base;
+    // The lane's piece of up to BA_UNROLL key (or value) rows of the pass starting at key `start`.
+    auto load_pass = [&](const __half* rows, int start, uint4 (&raw)[BA_UNROLL]) {
+#pragma unroll
+        for (int u = 0; u < BA_UNROLL; ++u) {
+            const int key = start + u * keys_per_round + my_key;
+            raw[u] = has_piece && key < n_keys ? *reinterpret_cast<const uint4*>(rows + (size_t)key * row_stride)
+                                               : make_uint4(0u, 0u, 0u, 0u);
+        }
+    };
+
+    float qr[BA_MAX_GROUP][8];                                // q of the lane's 8 columns, per head
+#pragma unroll
+    for (int g = 0; g < BA_MAX_GROUP; ++g) {
+        float4 lo = make_float4(0.f, 0.f, 0.f, 0.f), hi = lo;
+        if (g < group && has_piece) {
+            const float4* src = reinterpret_cast<const float4*>(q + ((size_t)b * n_heads + kvh * group + g) * hd
+                                                                + 8 * piece);
+            lo = src[0];
+            hi = src[1];
+        }
+        unpack8(lo, hi, qr[g]);
+    }
+
     float best[BA_MAX_GROUP];
 #pragma unroll
     for (int g = 0; g < BA_MAX_GROUP; ++g) best[g] = -TI_INF;
-    for (int i = threadIdx.x; i < n_keys; i += blockDim.x) {
-        const __half* key = k_rows + (size_t)i * row_stride;
-        float s[BA_MAX_GROUP];
+    for (int start = 0; start < n_keys; start += BA_UNROLL * keys_per_round) {
+        uint4 raw[BA_UNROLL];
+        load_pass(k_rows, start, raw);
 #pragma unroll
-        for (int g = 0; g < BA_MAX_GROUP; ++g) s[g] = 0.f;
-        for (int d = 0; d < hd; d += 8) {
-            const uint4 raw = *reinterpret_cast<const uint4*>(key + d);
-            const u32 words[4] = {raw.x, raw.y, raw.z, raw.w};
+        for (int u = 0; u < BA_UNROLL; ++u) {
+            const int key = start + u * keys_per_round + my_key;
+            float kf[8];
+            unpack_halves8(raw[u], kf);
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&words[e]));
+            for (int g = 0; g < BA_MAX_GROUP; ++g) {
+                if (g >= group) break;
+                float s = 0.f;
 #pragma unroll
-                for (int g = 0; g < BA_MAX_GROUP; ++g)
-                    if (g < group) s[g] += qs[g * hd + d + 2 * e] * f.x + qs[g * hd + d + 2 * e + 1] * f.y;
+                for (int j = 0; j < 8; ++j) s += qr[g][j] * kf[j];
+                for (int o = lanes_per_key >> 1; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+                if (key < n_keys) {
+                    if (piece == 0) scores[g * max_keys + key] = s;
+                    best[g] = fmaxf(best[g], s);
+                }
             }
         }
-#pragma unroll
-        for (int g = 0; g < BA_MAX_GROUP; ++g)
-            if (g < group) {
-                scores[g * max_keys + i] = s[g];
-                best[g] = fmaxf(best[g], s[g]);
-            }
     }
     // Per head: the block's max, then exp and the block's sum (each thread its own keys).
 #pragma unroll
     for (int g = 0; g < BA_MAX_GROUP; ++g) {
         const float m = warp_max(best[g]);
-        if (lane == 0 && g < group) reduce[g][warp] = m;
+        if (lane == 0 && g < group) warp_best[g][warp] = m;
     }
-    __syncthreads();
+    __syncthreads();                                          // (also publishes the scores)
     float sum[BA_MAX_GROUP];
 #pragma unroll
     for (int g = 0; g < BA_MAX_GROUP; ++g) {
-        best[g] = fmaxf(fmaxf(reduce[g][0], reduce[g][1]), fmaxf(reduce[g][2], reduce[g][3]));
+        float m = -TI_INF;
+        if (g < group)
+            for (int w = 0; w < BA_WARPS; ++w) m = fmaxf(m, warp_best[g][w]);
+        best[g] = m;
         sum[g] = 0.f;
     }
-    __syncthreads();                                  // reduce[] is reused for the sums
     for (int i = threadIdx.x; i < n_keys; i += blockDim.x) {
 #pragma unroll
         for (int g = 0; g < BA_MAX_GROUP; ++g)
@@ -393,31 +471,52 @@ extern "C" __global__ void __launch_bounds__(128) batch_attention(
 #pragma unroll
     for (int g = 0; g < BA_MAX_GROUP; ++g) {
         const float t = warp_sum(sum[g]);
-        if (lane == 0 && g < group) reduce[g][warp] = t;
+        if (lane == 0 && g < group) warp_total[g][warp] = t;
     }
-    __syncthreads();                                  // (also publishes the probabilities)
+    __syncthreads();                                          // (also publishes the probabilities)
 
-    const int n_parts = blockDim.x / hd;              // hd <= 128: at least one
-    const int d = threadIdx.x % hd, part = threadIdx.x / hd;
-    float acc[BA_MAX_GROUP];
-#pragma unroll
-    for (int g = 0; g < BA_MAX_GROUP; ++g) acc[g] = 0.f;
-    if (part < n_parts)
-        for (int i = part; i < n_keys; i += n_parts) {
-            const float v = __half2float(v_rows[(size_t)i * row_stride + d]);
-#pragma unroll
-            for (int g = 0; g < BA_MAX_GROUP; ++g)
-                if (g < group) acc[g] += scores[g * max_keys + i] * v;
-        }
+    float acc[BA_MAX_GROUP][8];
 #pragma unroll
     for (int g = 0; g < BA_MAX_GROUP; ++g)
-        if (g < group) pv[g * blockDim.x + threadIdx.x] = acc[g];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) acc[g][j] = 0.f;
+    for (int start = 0; start < n_keys; start += BA_UNROLL * keys_per_round) {
+        uint4 raw[BA_UNROLL];
+        load_pass(v_rows, start, raw);
+#pragma unroll
+        for (int u = 0; u < BA_UNROLL; ++u) {
+            const int key = start + u * keys_per_round + my_key;
+            if (key >= n_keys) continue;
+            float vf[8];
+            unpack_halves8(raw[u], vf);
+#pragma unroll
+            for (int g = 0; g < BA_MAX_GROUP; ++g) {
+                if (g >= group) break;
+                const float p = scores[g * max_keys + key];
+#pragma unroll
+                for (int j = 0; j < 8; ++j) acc[g][j] += p * vf[j];
+            }
+        }
+    }
+    // The warp's lane groups (same piece, other keys) added, then each warp's sums to shared memory.
+#pragma unroll
+    for (int g = 0; g < BA_MAX_GROUP; ++g) {
+        if (g >= group) break;
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+            for (int o = lanes_per_key; o < 32; o <<= 1) acc[g][j] += __shfl_xor_sync(0xffffffffu, acc[g][j], o);
+        if (sub == 0 && has_piece)
+#pragma unroll
+            for (int j = 0; j < 8; ++j) pv[(warp * group + g) * hd + 8 * piece + j] = acc[g][j];
+    }
     __syncthreads();
     for (int i = threadIdx.x; i < group * hd; i += blockDim.x) {
         const int g = i / hd, dd = i % hd;
-        const float total = reduce[g][0] + reduce[g][1] + reduce[g][2] + reduce[g][3];
-        float o = 0.f;
-        for (int p = 0; p < n_parts; ++p) o += pv[g * blockDim.x + p * hd + dd];
+        float o = 0.f, total = 0.f;
+        for (int w = 0; w < BA_WARPS; ++w) {
+            o += pv[(w * group + g) * hd + dd];
+            total += warp_total[g][w];
+        }
         out[(size_t)b * ldo + (kvh * group + g) * hd + dd] = __float2half_rn(o / total);
     }
 }
@@ -438,8 +537,11 @@ extern "C" __global__ void __launch_bounds__(256) batch_swiglu(
     }
 }
 
+#define BL_UNROLL 8          // logits each batch_logits thread sums before it stores any
+
 // Row b (grid (B), block 1024): logits[b] = the head's slices' sum, best[b] = its argmax (the lowest
-// id among equal maxima, as np.argmax; NaN never wins).
+// id among equal maxima, as np.argmax; NaN never wins). A thread sums BL_UNROLL logits, then stores
+// them: a store may alias parts, so loads after it could not start before it.
 extern "C" __global__ void __launch_bounds__(1024) batch_logits(
     const float* parts, int n_slices, long long slice_stride, int vocab, float* logits, int* best)
 {
@@ -450,10 +552,21 @@ extern "C" __global__ void __launch_bounds__(1024) batch_logits(
     const int b = blockIdx.x;
     float value = -TI_INF;
     int id = 0x7fffffff;
-    for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
-        const float v = slice_sum(parts, n_slices, (size_t)slice_stride, (size_t)b * vocab + i);
-        logits[(size_t)b * vocab + i] = v;
-        if (v > value) { value = v; id = i; }          // ascending i: the first maximum stays
+    for (int start = threadIdx.x; start < vocab; start += BL_UNROLL * blockDim.x) {
+        float v[BL_UNROLL];
+#pragma unroll
+        for (int u = 0; u < BL_UNROLL; ++u) {
+            const int i = start + u * blockDim.x;
+            v[u] = i < vocab ? slice_sum(parts, n_slices, (size_t)slice_stride, (size_t)b * vocab + i) : 0.f;
+        }
+#pragma unroll
+        for (int u = 0; u < BL_UNROLL; ++u) {
+            const int i = start + u * blockDim.x;
+            if (i < vocab) {
+                logits[(size_t)b * vocab + i] = v[u];
+                if (v[u] > value) { value = v[u]; id = i; }    // ascending i: the first maximum stays
+            }
+        }
     }
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) {

@@ -21,11 +21,20 @@ ENCODING_ID = {"f16": 0, "q8": 1, "q4": 2}           # BG_F16, BG_Q8, BG_Q4
 PIECE_COLS = {"f16": 32, "q8": 64, "q4": 128}        # columns of a 64-byte piece (BatchEncoding)
 GEMV_NB = (1, 2, 4)          # batch_gemv<ENC, NB> instances: 8, 16 or 32 rows
 STAGE_BYTES = 64 << 10       # shared memory for a block's staged h
-BLOCKS_PER_SM = 2            # the GEMV grid aims at this many blocks per SM
-ATTENTION_THREADS = 128
+BLOCKS_PER_SM = 2            # GEMV blocks resident per SM (__launch_bounds__ minimum)
+MAX_WIDEN = 8                # the most tiles per warp a GEMV plan considers
+BLOCK_START_ITEMS = 2        # gemv_cost: a block's start, in items
+ATTENTION_WARPS = 8          # BA_WARPS
+ATTENTION_THREADS = 32 * ATTENTION_WARPS
+ATTENTION_UNROLL = 4         # BA_UNROLL: key rows in flight per lane
 MAX_GROUP = 8                # BA_MAX_GROUP: query heads per KV head
 MAX_SHARED_BYTES = 227 << 10  # a block's opt-in shared memory on Hopper, where the device does not say
 MAX_ROWS = 32
+RMSNORM_ELEMS = 8            # BR_ELEMS: row elements per batch_rmsnorm thread
+RMSNORM_THREADS = 1024
+MAX_DIM = RMSNORM_ELEMS * RMSNORM_THREADS
+ROPE_THREADS = 64            # batch_rope_store's launch bound: a thread per pair of columns
+MAX_HEAD_DIM = 2 * ROPE_THREADS
 
 
 def gemv_name(encoding: str, padded: int) -> str:
@@ -79,22 +88,34 @@ class GemvPlan:
 
 
 def plan_gemv(rows: int, kpad: int, padded: int, n_sms: int, encoding: str = "q4") -> GemvPlan:
-    """Slices of K as long as the staged h fits STAGE_BYTES, split further until the grid has
-    BLOCKS_PER_SM blocks per SM, then more tiles per block while that many remain: each block reads
-    its slice of h once, so fewer, longer blocks read h fewer times."""
+    """The split of least cost (gemv_cost) over K slices (the staged h within STAGE_BYTES) and tiles
+    per warp; among equal costs the fewest slices (the consumer adds every slice), then the fewest
+    tiles per block."""
     piece_cols = PIECE_COLS[encoding]
     pieces = kpad // piece_cols
     max_pieces = max(1, STAGE_BYTES // (padded * piece_cols * 2))
     tiles = -(-rows // 16)
     row_groups = -(-tiles // GEMV_WARPS)
-    per_slice = min(pieces, max_pieces)
     target = BLOCKS_PER_SM * n_sms
-    while row_groups * -(-pieces // per_slice) < target and per_slice > 2:
-        per_slice = -(-per_slice // 2)
-    slices = -(-pieces // per_slice)
-    per_slice = -(-pieces // slices)                     # even slices
-    widen = max(1, row_groups * slices // target)
+    best = None
+    for per_slice in range(min(pieces, max_pieces), 0, -1):
+        slices = -(-pieces // per_slice)
+        per_slice = -(-pieces // slices)                  # even slices
+        for widen in range(1, MAX_WIDEN + 1):
+            blocks = -(-row_groups // widen) * slices
+            key = (gemv_cost(blocks, target, widen, per_slice, padded), slices, widen, per_slice)
+            best = key if best is None or key < best else best
+    _, slices, widen, per_slice = best
     return GemvPlan(rows, kpad, padded, per_slice, slices, GEMV_WARPS * widen, piece_cols)
+
+
+def gemv_cost(blocks: int, target: int, tiles_per_warp: int, per_slice: int, padded: int) -> float:
+    """A GEMV's time in units of one item (a warp's 16 rows x one piece): the grid runs in waves of
+    `target` resident blocks and a partial wave takes as long as a full one; a block takes its warps'
+    items, each tile's stored partial sums (padded / 16 items' worth of bytes), and a fixed start
+    (staging h, filling the load pipeline)."""
+    waves = -(-blocks // target)
+    return waves * (tiles_per_warp * (per_slice + padded / 16) + BLOCK_START_ITEMS)
 
 
 # ------------------------------------------------------------------------------------- launches
@@ -112,6 +133,11 @@ def make_gemv(mod, encoding: str, plan: GemvPlan, weight_ptr: int, scale_ptr: in
         shared_mem=plan.shared_bytes, bytes_read=plan.rows * row_bytes(encoding, plan.kpad), waits=True)
 
 
+def warps_of(threads: int) -> int:
+    """threads rounded up to whole warps."""
+    return 32 * -(-threads // 32)
+
+
 def slice_args(parts, plan: GemvPlan | None):
     """(parts, slices, floats per slice) of a linear's output; no slices for a consumer with none."""
     if plan is None:
@@ -120,27 +146,38 @@ def slice_args(parts, plan: GemvPlan | None):
 
 
 def make_rmsnorm(mod, n_rows: int, x, parts, plan, weight, dim: int, eps: float, out, ldo: int) -> Launch:
+    if dim > MAX_DIM:
+        raise ValueError(f"batch_rmsnorm takes rows of up to {MAX_DIM} elements")
     p, s, stride = slice_args(parts, plan)
-    return Launch("batch_rmsnorm", mod.get_function("batch_rmsnorm"), (n_rows,), (256,), (
+    threads = min(RMSNORM_THREADS, warps_of(dim))
+    return Launch("batch_rmsnorm", mod.get_function("batch_rmsnorm"), (n_rows,), (threads,), (
         x, p, s, stride, weight, np.int32(dim), np.float32(eps), out, np.int32(ldo)), waits=True)
 
 
 def make_rope_store(mod, n_rows: int, parts, plan, bias, positions, slots, n_heads: int, n_kv: int, hd: int,
                     rope_cos, rope_sin, q_out, k_cache, v_cache, slot_stride: int) -> Launch:
+    if not 2 <= hd <= MAX_HEAD_DIM or hd % 2:
+        raise ValueError(f"batch_rope_store takes an even head_dim of up to {MAX_HEAD_DIM}")
     p, s, stride = slice_args(parts, plan)
-    return Launch("batch_rope_store", mod.get_function("batch_rope_store"), (n_rows,), (256,), (
+    return Launch("batch_rope_store", mod.get_function("batch_rope_store"), (n_rows, n_heads + n_kv),
+                  (warps_of(hd // 2),), (
         p, s, stride, bias if bias is not None else np.uint64(0), positions, slots, np.int32(n_heads),
         np.int32(n_kv), np.int32(hd), rope_cos, rope_sin, np.float32(1.0 / math.sqrt(hd)), q_out, k_cache, v_cache,
         np.int64(slot_stride)), waits=True)
 
 
 def attention_shared_bytes(head_dim: int, max_keys: int, group: int) -> int:
-    """q, the scores and the p . V parts of one block: every query head of a KV head's group."""
-    return 4 * group * (head_dim + max_keys + ATTENTION_THREADS)
+    """The scores and the warps' p . V sums of one block: every query head of a KV head's group."""
+    return 4 * group * (max_keys + ATTENTION_WARPS * head_dim)
+
+
+def attention_max_keys(shared_bytes: int, head_dim: int, group: int) -> int:
+    """The most positions whose scores fit a block's shared memory (attention_shared_bytes)."""
+    return shared_bytes // (4 * group) - ATTENTION_WARPS * head_dim
 
 
 def attention_supports(n_heads: int, n_kv: int, head_dim: int) -> bool:
-    return n_heads % n_kv == 0 and n_heads // n_kv <= MAX_GROUP and head_dim % 8 == 0 and head_dim <= ATTENTION_THREADS
+    return n_heads % n_kv == 0 and n_heads // n_kv <= MAX_GROUP and head_dim % 8 == 0 and head_dim <= MAX_HEAD_DIM
 
 
 def make_attention(mod, n_rows: int, q, k_cache, v_cache, slot_stride: int, positions, slots, n_heads: int,

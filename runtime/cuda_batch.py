@@ -116,6 +116,9 @@ def check_model(tinf) -> None:
         raise DeviceError(f"batched attention takes up to {batch_k.MAX_GROUP} query heads per KV head and head_dim "
                           f"a multiple of 8 up to 128; this model has {c['n_heads']} / {c['n_kv_heads']} heads of "
                           f"{c['head_dim']}, so decode one sequence at a time.")
+    if c["dim"] > batch_k.MAX_DIM:
+        raise DeviceError(f"batched decoding normalizes rows of up to {batch_k.MAX_DIM} elements; this model's are "
+                          f"{c['dim']}, so decode one sequence at a time.")
     if not cuda_prefill.supported(tinf.config):
         raise DeviceError(f"batched decoding prefills with head_dim in {cuda_prefill.prefill_k.HEAD_DIMS}; this model "
                           f"has {tinf.config['head_dim']}, so decode one sequence at a time.")
@@ -159,7 +162,7 @@ class BatchEngine:
         props = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)
         shared = int(props.get("sharedMemPerBlockOptin", batch_k.MAX_SHARED_BYTES))
         group = c["n_heads"] // c["n_kv_heads"]
-        most = shared // (4 * group) - c["head_dim"] - batch_k.ATTENTION_THREADS
+        most = batch_k.attention_max_keys(shared, c["head_dim"], group)
         wanted = min(max_context or self.backend.max_context, self.backend.max_context)
         if max_context is None:
             return min(wanted, most)
@@ -178,9 +181,10 @@ class BatchEngine:
         return self.plans[key]
 
     def parts_floats(self) -> int:
-        """The partial sums of the largest linear at the largest step."""
-        return max(self.plan_for(name, batch_k.padded_rows(MAX_SLOTS)).parts_floats
-                   for name in cuda_prefill.linear_names(self.config))
+        """The partial sums of the largest linear's plan at any step size (a smaller step's plan may
+        have more slices)."""
+        return max(self.plan_for(name, padded).parts_floats for name in cuda_prefill.linear_names(self.config)
+                   for padded in {batch_k.padded_rows(n) for n in BUCKETS})
 
     def kpad(self, role: str) -> int:
         return gemv_k.shape_of(self.tinf.info(f"layers.0.{role}")).cols_pad

@@ -147,6 +147,67 @@ def test_attention_reference_is_the_reference_per_row():
         assert np.allclose(got[b].astype(np.float32), expected[0], rtol=2e-3, atol=2e-3)
 
 
+def emulate_attention(q, k_cache, v_cache, positions, slots, n_kv: int, window: int | None) -> np.ndarray:
+    """What batch_attention computes, lane by lane: which lane reads which 16-byte piece of which key
+    row in which pass (the kernel's index arithmetic), the lane groups' and warps' sums in its order."""
+    n_rows, n_heads, hd = q.shape
+    group, pieces = n_heads // n_kv, hd // 8
+    lanes_per_key = 1 << (pieces - 1).bit_length()
+    keys_per_warp = 32 // lanes_per_key
+    keys_per_round = batch_k.ATTENTION_WARPS * keys_per_warp
+    out = np.zeros((n_rows, n_heads * hd), np.float32)
+    for b in range(n_rows):
+        pos = int(positions[b])
+        first = max(0, pos - window + 1) if window else 0
+        n_keys = pos - first + 1
+        for kvh in range(n_kv):
+            heads = q[b, kvh * group: (kvh + 1) * group]                      # [group, hd]
+            scores = np.full((group, n_keys), np.nan, np.float32)
+            read = np.zeros((n_keys, hd), int)
+            pv = np.zeros((batch_k.ATTENTION_WARPS, group, hd), np.float32)
+            lanes = []                                                    # (warp, piece, key) of each load
+            for start in range(0, n_keys, batch_k.ATTENTION_UNROLL * keys_per_round):
+                for u in range(batch_k.ATTENTION_UNROLL):
+                    for warp in range(batch_k.ATTENTION_WARPS):
+                        for lane in range(32):
+                            piece, sub = lane % lanes_per_key, lane // lanes_per_key
+                            key = start + u * keys_per_round + warp * keys_per_warp + sub
+                            if piece < pieces and key < n_keys:
+                                lanes.append((warp, piece, key))
+            partial = {}
+            for warp, piece, key in lanes:                                # scores: each lane's 8 columns
+                cols = slice(8 * piece, 8 * piece + 8)
+                row = k_cache[slots[b], first + key, kvh, cols].astype(np.float32)
+                read[key, cols] += 1
+                partial[key] = partial.get(key, 0) + (heads[:, cols] * row).sum(-1)
+            for key, s in partial.items():
+                scores[:, key] = s
+            probs = np.exp(scores - scores.max(-1, keepdims=True))
+            for warp, piece, key in lanes:                                # p . V
+                cols = slice(8 * piece, 8 * piece + 8)
+                row = v_cache[slots[b], first + key, kvh, cols].astype(np.float32)
+                pv[warp, :, cols] += probs[:, key: key + 1] * row
+            assert (read == 1).all(), "a key column read twice or never"
+            heads_out = pv.sum(0) / probs.sum(-1, keepdims=True)
+            out[b, kvh * group * hd: (kvh + 1) * group * hd] = heads_out.reshape(-1)
+    return out
+
+
+@pytest.mark.parametrize("hd, n_heads, n_kv", [(64, 32, 4), (128, 8, 8), (96, 12, 6), (8, 4, 2), (32, 16, 2)])
+@pytest.mark.parametrize("window", [None, 9])
+def test_attention_lanes_read_every_key_once(hd, n_heads, n_kv, window):
+    """batch_attention's split of a slot's keys over lanes (16-byte pieces, lane groups of a power of two,
+    unrolled passes) covers each column of each key exactly once: the emulation equals the reference."""
+    rng = np.random.default_rng(hd + n_heads + (window or 0))
+    positions, slots = np.array([0, 40, 300, 129]), np.array([1, 0, 2, 0])
+    k = rng.standard_normal((3, 301, n_kv, hd)).astype(np.float16)
+    v = rng.standard_normal((3, 301, n_kv, hd)).astype(np.float16)
+    q = (rng.standard_normal((4, n_heads, hd)) / np.sqrt(hd)).astype(np.float32)
+    got = emulate_attention(q, k, v, positions, slots, n_kv, window)
+    expected = batch_k.attention_reference(q, k, v, positions, slots, window).astype(np.float32)
+    assert np.allclose(got, expected, rtol=2e-3, atol=2e-3)
+
+
 def test_generate_batch_on_the_cpu_is_each_prompt_alone(tmp_path):
     """Without a GPU, generate_batch runs the prompts one after the other: the same texts as generate()."""
     from tinyinfer.runtime.bench import tinf_config
@@ -366,6 +427,20 @@ def as_array(pointer_or_array, dtype, count: int, registry: dict) -> np.ndarray:
     raise AssertionError(f"pointer {address:#x} into no known buffer")
 
 
+def check_threads(name: str, grid, block, args) -> None:
+    """The grid and block a kernel's thread mapping needs (batch.cu): RMSNorm's BR_ELEMS elements per
+    thread cover the row, RoPE has a block per (row, head) and a thread per pair of columns within its
+    launch bound, attention a block of BA_WARPS warps per (KV head, row)."""
+    if name == "batch_rmsnorm":
+        assert block[0] % 32 == 0 and block[0] <= batch_k.RMSNORM_THREADS
+        assert batch_k.RMSNORM_ELEMS * block[0] >= int(args[5]), "batch_rmsnorm's threads do not cover the row"
+    elif name == "batch_rope_store":
+        n_heads, n_kv, hd = (int(a) for a in args[6:9])
+        assert grid[1] == n_heads + n_kv and hd // 2 <= block[0] <= batch_k.ROPE_THREADS
+    elif name == "batch_attention":
+        assert block[0] == batch_k.ATTENTION_THREADS and grid[0] == int(args[7])
+
+
 class EmulatedKernel(FakeKernel):
     """A batch.cu or prefill.cu kernel run by its NumPy reference, reading and writing the engine's
     host buffers through the very arguments the launch passes (pointers, strides, counts)."""
@@ -375,6 +450,7 @@ class EmulatedKernel(FakeKernel):
         self.world = world
 
     def __call__(self, grid, block, args, shared_mem=0, stream=None):
+        check_threads(self.name.split("<")[0], grid, block, args)
         if self.world["capturing"] is not None:
             self.world["capturing"].append((self, grid, args))
             return
