@@ -18,7 +18,7 @@ from pathlib import Path
 import msgpack
 import numpy as np
 
-from .errors import FormatError
+from .errors import FormatError, shown
 from .quant import (ENCODINGS, GROUP_SIZES, QUANTIZED, SECTION_ALIGN, STORAGE_DTYPE, Tensor, padded_cols,
                     rows_cols, scale_offset, tensor_nbytes)
 
@@ -30,6 +30,9 @@ TENSOR_ALIGN = SECTION_ALIGN
 MAX_METADATA_BYTES = 64 << 20
 MAX_TENSORS = 100_000
 MAX_DIM = 1 << 31
+# Longest context a file may declare: positions are int32 on the GPU, and no published model comes
+# near 2^24 (16.7M) positions; the backends size their tables from it, so it is bounded before use.
+MAX_CONTEXT = 1 << 24
 CRC_PLACEHOLDER = "00000000"
 REQUIRED_KEYS = {"config": dict, "tokenizer": dict, "tensors": list}
 OPTIONAL_KEYS = {"chat_template": (str, type(None)), "generation": dict, "provenance": dict, "autotune": dict}
@@ -267,19 +270,19 @@ class TinfFile:
         if not isinstance(entry, dict):
             self.fail(f"tensor directory entry {i} is not a map; the file is corrupt.")
         name = entry.get("name")
-        if not isinstance(name, str) or not name:
-            self.fail(f"tensor directory entry {i} has no name; the file is corrupt.")
-        where = f"tensor {name!r}"
+        if not isinstance(name, str) or not name or len(name) > 256:
+            self.fail(f"tensor directory entry {i} has no name (or one over 256 characters); the file is corrupt.")
+        where = f"tensor {shown(name)}"
         encoding = entry.get("encoding")
-        if encoding not in ENCODINGS:
-            self.fail(f"{where} has unknown encoding {encoding!r}; upgrade tinyinfer or convert the model again.")
+        if not isinstance(encoding, str) or encoding not in ENCODINGS:
+            self.fail(f"{where} has unknown encoding {shown(encoding)}; upgrade tinyinfer or convert the model again.")
         shape = entry.get("shape")
         if (not isinstance(shape, list) or len(shape) not in (1, 2)
                 or not all(isinstance(s, int) and not isinstance(s, bool) and 1 <= s < MAX_DIM for s in shape)):
-            self.fail(f"{where} has an invalid shape {shape!r}; the file is corrupt.")
+            self.fail(f"{where} has an invalid shape {shown(shape)}; the file is corrupt.")
         group = entry.get("group")
-        if encoding in QUANTIZED and group not in GROUP_SIZES:
-            self.fail(f"{where} has invalid group size {group!r}; the file is corrupt.")
+        if encoding in QUANTIZED and (type(group) is not int or group not in GROUP_SIZES):
+            self.fail(f"{where} has invalid group size {shown(group)}; the file is corrupt.")
         if encoding not in QUANTIZED:
             group = None
         offset, nbytes, crc = entry.get("offset"), entry.get("nbytes"), entry.get("crc32")
@@ -289,7 +292,7 @@ class TinfFile:
             self.fail(f"{where} is not aligned to {TENSOR_ALIGN} bytes; the file is corrupt.")
         expected = tensor_nbytes(encoding, shape, group)
         if nbytes != expected:
-            self.fail(f"{where} claims {nbytes} bytes but {encoding}{shape} needs {expected}; the file is corrupt.")
+            self.fail(f"{where} claims {shown(nbytes)} bytes but {encoding}{shape} needs {expected}; the file is corrupt.")
         if offset + nbytes > data_size:
             self.fail(f"{where} extends past the end of the file; the file is truncated, download or convert it again.")
         if not isinstance(crc, str) or len(crc) != 8 or any(c not in "0123456789abcdef" for c in crc):

@@ -27,3 +27,8 @@ class ChatTemplateError(TinyInferError):
 
 class SamplingError(TinyInferError):
     """A sampling parameter is out of range."""
+
+
+class TokenIdError(TinyInferError, ValueError):
+    """A token id outside the model's vocabulary would reach a backend (a ValueError too, as callers
+    passing their own ids expect)."""
