@@ -22,6 +22,7 @@ import numpy as np
 from tinyinfer.convert import gguf_blocks
 from tinyinfer.convert.errors import ConvertError, brief
 from tinyinfer.convert.gguf_file import Metadata, read_gguf, refuse
+from tinyinfer.formats.tinf import MAX_CONTEXT
 
 ARCHITECTURES = ("llama", "qwen2")
 SUPPORTED = ("supported are GGUF files of the llama and qwen2 architectures (Llama 1/2/3, Mistral, "
@@ -294,7 +295,7 @@ def gguf_config(meta: Metadata, arch: str, tensors: dict) -> dict:
         "n_kv_heads": n_kv_heads, "head_dim": head_dim, "ffn_dim": required(meta, key("feed_forward_length")),
         "vocab_size": vocab_size, "norm_eps": eps, "rope_theta": theta,
         "rope_scaling": rope_scaling(meta, arch, tensors, head_dim, theta),
-        "max_context": required(meta, key("context_length")),
+        "max_context": required(meta, key("context_length"), high=MAX_CONTEXT),
         "tied_embeddings": "output.weight" not in tensors,
         "qkv_bias": "blk.0.attn_q.bias" in tensors, "sliding_window": None,
     }

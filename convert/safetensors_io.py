@@ -100,7 +100,7 @@ def parse_json(path: Path, header_bytes: bytes) -> dict:
 
     try:
         header = json.loads(header_bytes.decode("utf-8"), object_pairs_hook=no_duplicates)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:   # ValueError: JSON syntax, huge integers
         raise bad_file(path, "its header is not valid UTF-8 JSON") from e
     if not isinstance(header, dict):
         raise bad_file(path, "its header is not a JSON object")

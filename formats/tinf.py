@@ -8,12 +8,18 @@ into a temporary file beside the target, fills in the checksums and renames only
 
 from __future__ import annotations
 
+import glob
 import os
 import struct
 import tempfile
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
+
+try:
+    import fcntl
+except ImportError:   # not POSIX: temporary files are not locked, and stale ones are left alone
+    fcntl = None
 
 import msgpack
 import numpy as np
@@ -111,7 +117,8 @@ class TinfWriter:
 
     def __enter__(self):
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=self.path.name + ".tmp-", dir=self.path.parent)
+        remove_stale_temporaries(self.path)
+        fd, tmp = locked_temporary(self.path)
         self.tmp_path = Path(tmp)
         self.file = os.fdopen(fd, "w+b")
         self.file.write(self.header)
@@ -163,6 +170,33 @@ class TinfWriter:
         self.file.close()
         os.chmod(self.tmp_path, 0o666 & ~current_umask())  # mkstemp makes it 0600; give it normal permissions
         os.replace(self.tmp_path, self.path)
+
+
+def locked_temporary(path: Path) -> tuple[int, str]:
+    """mkstemp beside `path`, locked for as long as the descriptor is open: a writer that is killed
+    loses its lock with its process, which is how the next run tells its file is stale."""
+    fd, tmp = tempfile.mkstemp(prefix=path.name + ".tmp-", dir=path.parent)
+    if fcntl is not None:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+    return fd, tmp
+
+
+def remove_stale_temporaries(path: Path) -> None:
+    """Delete the temporary files that killed writes of `path` left behind (those no process holds locked)."""
+    if fcntl is None:
+        return
+    for name in glob.glob(glob.escape(str(path)) + ".tmp-*"):
+        try:
+            fd = os.open(name, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.unlink(name)
+        except OSError:   # locked by a live writer, or already gone
+            pass
+        finally:
+            os.close(fd)
 
 
 def current_umask() -> int:
@@ -363,7 +397,8 @@ def rewrite_metadata(source, out, updates: dict) -> Path:
         header, data_offset = pack_header(metadata)
         data_size = src.file_size - src.data_offset
         out = Path(out)
-        fd, tmp = tempfile.mkstemp(prefix=out.name + ".tmp-", dir=out.parent)
+        remove_stale_temporaries(out)
+        fd, tmp = locked_temporary(out)
         try:
             with os.fdopen(fd, "wb") as dst, open(src.path, "rb") as data:
                 dst.write(header + b"\0" * (data_offset - len(header)))

@@ -134,16 +134,16 @@ GENERATION_CHECKS = {
 }
 
 
-def generation_problems(generation: dict) -> list[str]:
-    """One phrase per generation default of the wrong type or range (None values are unset)."""
-    problems = []
+def generation_problems(generation: dict) -> dict[str, str]:
+    """{key: phrase} for each generation default of the wrong type or range (None values are unset)."""
+    problems = {}
     for key, value in generation.items():
         check = GENERATION_CHECKS.get(key)
         if value is None or check is None:
             continue
         of_type, in_range, what = check
         if not of_type(value) or not in_range(value):
-            problems.append(f"generation {key} is {shown(value)}, not {what}")
+            problems[key] = f"generation {key} is {shown(value)}, not {what}"
     return problems
 
 
@@ -154,7 +154,7 @@ def check_generation(generation, path) -> None:
         refuse(path, "the generation defaults are not a map")
     problems = generation_problems(generation)
     if problems:
-        refuse(path, problems[0])
+        refuse(path, next(iter(problems.values())))
 
 
 # ------------------------------------------------------------------------------------------ token ids
