@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 import pytest
 
 from tinf_samples import TENSORS, flip_byte, write_runnable_tinf, write_tiny_tinf  # noqa: E402
