@@ -55,9 +55,11 @@ class Tally:
     failures: list = field(default_factory=list)
     longest_message: int = 0
     peak_rss_mb: float = 0.0
+    outcomes: dict = field(default_factory=dict)   # case name -> outcome
 
     def add(self, name: str, result: Result) -> None:
         self.counts[result.outcome] += 1
+        self.outcomes[name] = result.outcome
         self.peak_rss_mb = max(self.peak_rss_mb, result.peak_rss_mb)
         if result.outcome == "project":
             self.longest_message = max(self.longest_message, len(result.detail))
@@ -168,15 +170,21 @@ class WorkerPool:
 
 def exercise_tinf(path: Path) -> None:
     """What a user does with a file: tinyrun info --check, then load it and generate (plain and chat)."""
-    from tinyinfer.runtime.integrity import check_file
+    from tinyinfer.runtime.integrity import IntegrityError, check_file
     from tinyinfer.runtime.model import load
 
-    check_file(path, progress=False)
+    corrupt = None
+    try:
+        check_file(path, progress=False)
+    except IntegrityError as e:   # a user who never runs --check loads it anyway: so does the harness
+        corrupt = e
     with load(path, device="cpu", weight_cache_bytes=64 << 20) as model:
         "".join(model.generate("w3 w4 hello", max_tokens=3))
         "".join(model.generate("w5", max_tokens=2, temperature=0.8, seed=1))
         if model.chat_template:
             "".join(model.generate([{"role": "user", "content": "w3 w4"}], max_tokens=2))
+    if corrupt is not None:
+        raise corrupt
 
 
 def convert_and_exercise(source: Path, out: Path, **kwargs) -> None:

@@ -42,6 +42,16 @@ def cupy_gpu():
     return cupy
 
 
+def pytest_addoption(parser):
+    parser.addoption("--long", action="store_true",
+                     help="run the long adversarial suite (100,000 fuzz mutants; also TINYINFER_FUZZ_CASES=N)")
+
+
+@pytest.fixture(scope="session")
+def long_run(request) -> bool:
+    return bool(request.config.getoption("--long"))
+
+
 def pytest_collection_modifyitems(config, items):
     """Skip every @pytest.mark.gpu test when no GPU is present, even if it forgot the fixture."""
     if cuda_available():
