@@ -43,7 +43,11 @@ class TemplateLimit(Exception):
 
 def tick() -> None:
     if time.monotonic() > getattr(deadline, "at", float("inf")):
-        raise TemplateLimit(f"it ran longer than {RENDER_SECONDS:g} s")
+        raise TemplateLimit(f"it ran longer than {deadline.seconds:g} s")
+
+
+def start_clock(seconds: float) -> None:
+    deadline.at, deadline.seconds = time.monotonic() + seconds, seconds
 
 
 def sized(value):
@@ -122,7 +126,7 @@ def compile_template(source: str):
         raise ChatTemplateError(f"The model's chat template is {len(source)} characters, more than the "
                                 f"{MAX_TEMPLATE_CHARS} allowed; re-convert with a shorter template.")
     env = limited_environment()
-    deadline.at = time.monotonic() + COMPILE_SECONDS
+    start_clock(COMPILE_SECONDS)
     try:
         tree = env.parse(source)
         for loop in tree.find_all(jinja2.nodes.For):
@@ -243,7 +247,7 @@ def render_chat(template: str | None, messages, special_tokens: dict | None = No
     tokens = {k: v for k, v in (special_tokens or {}).items() if isinstance(k, str) and k not in RESERVED}
     variables = {**tokens, "messages": check_messages(messages), "add_generation_prompt": add_generation_prompt,
                  "tools": None, "documents": None, **template_kwargs}
-    deadline.at = time.monotonic() + RENDER_SECONDS
+    start_clock(RENDER_SECONDS)
     try:
         return bounded_output(compiled.generate(variables))
     except jinja2.TemplateError as e:
