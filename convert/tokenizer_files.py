@@ -52,7 +52,8 @@ def chat_template(folder: Path, tokenizer_config: dict) -> str | None:
     chat_template.jinja, else chat_template.json."""
     template = tokenizer_config.get("chat_template")
     if isinstance(template, list):
-        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict) and isinstance(t.get("name"), str)}
+        named = {t.get("name"): t.get("template") for t in template
+                 if isinstance(t, dict) and isinstance(t.get("name"), str)}
         template = named.get("default")
     if isinstance(template, str):
         return template
@@ -135,7 +136,8 @@ def default_add_bos(tokenizer_json: str | None) -> bool:
     for step in processors if isinstance(processors, list) else []:
         if isinstance(step, dict) and step.get("type") == "TemplateProcessing":
             single = step.get("single") or []
-            return isinstance(single, list) and bool(single) and isinstance(single[0], dict) and "SpecialToken" in single[0]
+            return (isinstance(single, list) and bool(single) and isinstance(single[0], dict)
+                    and "SpecialToken" in single[0])
     return False
 
 

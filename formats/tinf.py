@@ -326,7 +326,8 @@ class TinfFile:
             self.fail(f"{where} is not aligned to {TENSOR_ALIGN} bytes; the file is corrupt.")
         expected = tensor_nbytes(encoding, shape, group)
         if nbytes != expected:
-            self.fail(f"{where} claims {shown(nbytes)} bytes but {encoding}{shape} needs {expected}; the file is corrupt.")
+            self.fail(f"{where} claims {shown(nbytes)} bytes but {encoding}{shape} needs {expected}; "
+                      "the file is corrupt.")
         if offset + nbytes > data_size:
             self.fail(f"{where} extends past the end of the file; the file is truncated, download or convert it again.")
         if not isinstance(crc, str) or len(crc) != 8 or any(c not in "0123456789abcdef" for c in crc):
