@@ -140,12 +140,16 @@ class WorkerPool:
         return False
 
     def run_all(self, named_cases) -> Tally:
-        tally, pending, lock = Tally(), iter(named_cases), threading.Lock()
+        tally, pending, lock, broken = Tally(), iter(named_cases), threading.Lock(), []
 
         def serve(index: int) -> None:
             while True:
                 with lock:
-                    item = next(pending, None)
+                    try:
+                        item = next(pending, None)
+                    except Exception as e:   # a bug in a mutator: the run must fail, not end early
+                        broken.append(e)
+                        item = None
                 if item is None:
                     return
                 name, case = item
@@ -162,6 +166,8 @@ class WorkerPool:
             thread.start()
         for thread in threads:
             thread.join()
+        if broken:
+            raise broken[0]
         return tally
 
 

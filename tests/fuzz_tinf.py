@@ -169,7 +169,8 @@ def mutate_value(value, rng: random.Random):
         return rng.choice([value + 1, value - 1, -value, value * 2, value * 1024, value // 2, float(value),
                            str(value), value + 2**32, (value or 1) << 31])
     if isinstance(value, float):
-        return rng.choice([value * 1e10, -value, 0.0, int(value), str(value), value / 3])
+        return rng.choice([value * 1e10, -value, 0.0, int(value) if math.isfinite(value) else 0, str(value),
+                           value / 3])
     if isinstance(value, str):
         if len(value) > 200:
             return value[: rng.randrange(len(value))]

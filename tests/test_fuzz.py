@@ -31,11 +31,12 @@ def case_count(long_run: bool, ci: int, long: int, override: bool = True) -> int
     return long if long_run else ci
 
 
-def run_and_check(cases, label: str) -> None:
+def run_and_check(cases, label: str, count: int) -> None:
     started = time.monotonic()
     with WorkerPool(WORKERS) as pool:
         tally = pool.run_all(cases)
     seconds = time.monotonic() - started
+    assert sum(tally.counts.values()) == count + 1   # every mutant and the seed ran
     print(f"\n{label}: {sum(tally.counts.values())} cases in {seconds:.1f} s: {tally.counts}, longest error "
           f"{tally.longest_message} chars, peak RSS {tally.peak_rss_mb:.0f} MB", file=sys.stderr)
     assert tally.failed() == 0, tally.failures
@@ -46,16 +47,16 @@ def run_and_check(cases, label: str) -> None:
 def test_tinf_mutants(tmp_path, long_run):
     seed = seed_tinf(tmp_path)
     count = case_count(long_run, CI_TINF_CASES, LONG_TINF_CASES)
-    run_and_check(chain([("seed", ("tinf", seed))], tinf_mutants(seed, count, BASE_SEED)), "tinf mutants")
+    run_and_check(chain([("seed", ("tinf", seed))], tinf_mutants(seed, count, BASE_SEED)), "tinf mutants", count)
 
 
 def test_hugging_face_checkpoint_mutants(long_run):
     seed = seed_hf_files()
     count = case_count(long_run, CI_CONVERTER_CASES, LONG_CONVERTER_CASES, override=False)
-    run_and_check(chain([("seed", ("hf", seed))], hf_mutants(seed, count, BASE_SEED)), "hf mutants")
+    run_and_check(chain([("seed", ("hf", seed))], hf_mutants(seed, count, BASE_SEED)), "hf mutants", count)
 
 
 def test_gguf_mutants(long_run):
     seed = seed_gguf()
     count = case_count(long_run, CI_CONVERTER_CASES, LONG_CONVERTER_CASES, override=False)
-    run_and_check(chain([("seed", ("gguf", seed))], gguf_mutants(seed, count, BASE_SEED)), "gguf mutants")
+    run_and_check(chain([("seed", ("gguf", seed))], gguf_mutants(seed, count, BASE_SEED)), "gguf mutants", count)
