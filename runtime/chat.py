@@ -128,13 +128,7 @@ def compile_template(source: str):
     env = limited_environment()
     start_clock(COMPILE_SECONDS)
     try:
-        tree = env.parse(source)
-        for loop in tree.find_all(jinja2.nodes.For):
-            loop.iter = jinja2.nodes.Filter(loop.iter, "tinyinfer_loop", [], [], None, None, lineno=loop.lineno)
-        for concat in list(tree.find_all(jinja2.nodes.Concat)):
-            concat.nodes = [jinja2.nodes.Filter(n, "tinyinfer_sized", [], [], None, None, lineno=concat.lineno)
-                            for n in concat.nodes]
-        return env.from_string(tree)
+        return env.from_string(guarded(env.parse(source)))
     except jinja2.TemplateSyntaxError as e:
         raise ChatTemplateError(f"The model's chat template has a syntax error ({shown(e.message, 150)}, "
                                 f"line {e.lineno}); re-convert with a corrected template.") from None
@@ -143,6 +137,27 @@ def compile_template(source: str):
                                 f"{shown(str(e), 150)}); re-convert with a corrected template.") from None
     finally:
         deadline.at = float("inf")
+
+
+def guarded(tree):
+    """The parsed template with every {% for %} iterating through bounded_loop and every `~`
+    concatenation's result size-checked (the sandbox has no hook for either)."""
+    from jinja2 import nodes
+    from jinja2.visitor import NodeTransformer
+
+    def through(name: str, node):
+        return nodes.Filter(node, name, [], [], None, None, lineno=node.lineno)
+
+    class Guard(NodeTransformer):
+        def visit_For(self, node):
+            node = self.generic_visit(node)
+            node.iter = through("tinyinfer_loop", node.iter)
+            return node
+
+        def visit_Concat(self, node):
+            return through("tinyinfer_sized", self.generic_visit(node))
+
+    return Guard().visit(tree)
 
 
 @lru_cache(maxsize=1)
