@@ -22,7 +22,7 @@ from functools import lru_cache, wraps
 from tinyinfer.formats.errors import shown
 from tinyinfer.runtime.errors import ChatTemplateError
 
-MAX_TEMPLATE_CHARS = 256 << 10    # real templates are a few KiB; compile time grows with the source
+MAX_TEMPLATE_CHARS = 128 << 10    # real templates are a few KiB; compile time grows with the source (2 s)
 COMPILE_SECONDS = 5.0
 RENDER_SECONDS = 5.0              # a long conversation renders in milliseconds
 MAX_OUTPUT_CHARS = 1 << 24        # more text than any context holds
