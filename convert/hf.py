@@ -87,12 +87,12 @@ def tinf_config(hf: dict) -> dict:
 def refuse_unsupported(hf: dict) -> None:
     model_type = hf.get("model_type")
     if model_type not in MODEL_TYPES:
-        refuse(f"model_type {model_type!r} is not supported")
+        refuse(f"model_type {shown(model_type)} is not supported")
     if hf.get("quantization_config"):
         refuse("already-quantized checkpoints (quantization_config) are not supported")
     activation = hf.get("hidden_act", hf.get("hidden_activation", "silu"))
     if activation != "silu":
-        refuse(f"hidden_act {activation!r} is not supported (only silu is)")
+        refuse(f"hidden_act {shown(activation)} is not supported (only silu is)")
     if hf.get("mlp_bias"):
         refuse("mlp_bias=true is not supported (MLP projections without biases only)")
     if hf.get("attention_bias") and model_type != "qwen2":
@@ -128,7 +128,7 @@ def sliding_window(hf: dict, max_context: int) -> int | None:
     if window is None:
         return None
     if not isinstance(window, int) or isinstance(window, bool) or window < 1:
-        refuse(f"sliding_window {window!r} is not a positive integer")
+        refuse(f"sliding_window {shown(window)} is not a positive integer")
     return window if window < max_context else None
 
 
@@ -136,7 +136,7 @@ def rope_parameters(hf: dict) -> dict:
     """RoPE settings: transformers 5 keeps them in `rope_parameters`, older configs use `rope_scaling`."""
     params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     if not isinstance(params, dict):
-        refuse(f"rope scaling {params!r} is not a map")
+        refuse(f"rope scaling {shown(params)} is not a map")
     return params
 
 
@@ -148,7 +148,7 @@ def rope_scaling(params: dict) -> dict | None:
     needed = {"linear": ("factor",),
               "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
     if kind not in needed:
-        refuse(f"rope scaling type {kind!r} is not supported (only linear and llama3 are)")
+        refuse(f"rope scaling type {shown(kind)} is not supported (only linear and llama3 are)")
     missing = [key for key in needed[kind] if not is_positive_number(params.get(key))]
     if missing:
         refuse(f"{kind} rope scaling lacks {', '.join(missing)}")
@@ -263,7 +263,7 @@ def index_weight_map(folder: Path) -> dict[str, str]:
     for filename in set(weight_map.values()):
         name = PurePosixPath(filename.replace("\\", "/"))
         if not name.parts or name.is_absolute() or ".." in name.parts or not filename.endswith(".safetensors"):
-            raise ConvertError(f"{index_path} names shard {filename!r}, which is not a .safetensors "
+            raise ConvertError(f"{index_path} names shard {shown(filename)}, which is not a .safetensors "
                                f"file inside {folder}; fix the index.")
     return weight_map
 
@@ -277,7 +277,7 @@ def shards_from_index(folder: Path, index_path: Path) -> dict[str, SafetensorsFi
     opened = {filename: SafetensorsFile(folder / filename) for filename in set(weight_map.values())}
     for name, filename in weight_map.items():
         if name not in opened[filename].entries:
-            raise ConvertError(f"{index_path} puts tensor {name!r} in {filename}, which does not "
+            raise ConvertError(f"{index_path} puts tensor {shown(name)} in {shown(filename)}, which does not "
                                f"contain it; re-download the checkpoint.")
     return {name: opened[filename] for name, filename in weight_map.items()}
 

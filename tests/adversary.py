@@ -56,13 +56,14 @@ class Tally:
     longest_message: int = 0
     peak_rss_mb: float = 0.0
     outcomes: dict = field(default_factory=dict)   # case name -> outcome
+    longest_case: tuple = ()                        # (name, start of the message) of the longest error
 
     def add(self, name: str, result: Result) -> None:
         self.counts[result.outcome] += 1
         self.outcomes[name] = result.outcome
         self.peak_rss_mb = max(self.peak_rss_mb, result.peak_rss_mb)
-        if result.outcome == "project":
-            self.longest_message = max(self.longest_message, len(result.detail))
+        if result.outcome == "project" and len(result.detail) > self.longest_message:
+            self.longest_message, self.longest_case = len(result.detail), (name, result.detail[:300])
         if result.outcome in FAILURES and len(self.failures) < 20:
             self.failures.append((name, result.outcome, result.detail[:300]))
 

@@ -41,7 +41,7 @@ def run_and_check(cases, label: str, count: int) -> None:
           f"{tally.longest_message} chars, peak RSS {tally.peak_rss_mb:.0f} MB", file=sys.stderr)
     assert tally.failed() == 0, tally.failures
     assert tally.counts["ok"] >= 1, "not even the seed was accepted: the mutants test nothing"
-    assert tally.longest_message <= MAX_MESSAGE_CHARS
+    assert tally.longest_message <= MAX_MESSAGE_CHARS, tally.longest_case
 
 
 def test_tinf_mutants(tmp_path, long_run):
