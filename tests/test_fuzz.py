@@ -17,7 +17,7 @@ from adversary import WorkerPool  # noqa: E402
 from fuzz_tinf import gguf_mutants, hf_mutants, seed_gguf, seed_hf_files, seed_tinf, tinf_mutants  # noqa: E402
 
 CI_TINF_CASES, LONG_TINF_CASES = 2500, 100_000
-CI_CONVERTER_CASES, LONG_CONVERTER_CASES = 250, 5000
+CI_CONVERTER_CASES, LONG_CONVERTER_CASES = 1000, 5000
 WORKERS = 2
 MAX_MESSAGE_CHARS = 600   # a project error is one sentence: a path and a bounded quote of the value
 
