@@ -31,8 +31,6 @@ def load(path, device: str = "auto", verbose: bool = False, max_context: int | N
         raise LoadError(f"{path} is a folder; pass a .tinf file (convert a checkpoint folder with tinyconvert).")
     tinf = open_tinf(path)
     check_model(tinf)
-    check_tokenizer_meta(tinf.metadata["tokenizer"], tinf.path, tinf.config["vocab_size"])
-    check_generation(tinf.metadata.get("generation"), tinf.path)
     tokenizer = Tokenizer.from_metadata(tinf.metadata["tokenizer"])
     check_tokenizer_vocab(tokenizer, tinf.path, tinf.config["vocab_size"])
     backend = make_backend(tinf, device, verbose, max_context, weight_cache_bytes)
@@ -55,9 +53,12 @@ def expected_shapes(c: dict) -> dict[str, tuple]:
 
 
 def check_model(tinf) -> None:
-    """The config describes a Llama model this runtime can run, and every tensor has the shape it implies."""
+    """The config describes a Llama model this runtime can run, every tensor has the shape it implies, and
+    the tokenizer map and generation defaults have the types and ranges the runtime expects."""
     c = tinf.config
     check_config(c, tinf.path, len(tinf.names))
+    check_tokenizer_meta(tinf.metadata["tokenizer"], tinf.path, c["vocab_size"])
+    check_generation(tinf.metadata.get("generation"), tinf.path)
     for name, shape in expected_shapes(c).items():
         if tinf.info(name).shape != shape:
             raise FormatError(f"{tinf.path}: tensor {name!r} has shape {list(tinf.info(name).shape)}, "

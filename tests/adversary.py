@@ -176,10 +176,15 @@ class WorkerPool:
 
 
 def exercise_tinf(path: Path) -> None:
-    """What a user does with a file: tinyrun info --check, then load it and generate (plain and chat)."""
+    """What a user does with a file: tinyrun info (--check), then load it and generate (plain and chat)."""
+    from tinyinfer.formats import open_tinf
+    from tinyinfer.runtime.cli import describe
     from tinyinfer.runtime.integrity import IntegrityError, check_file
-    from tinyinfer.runtime.model import load
+    from tinyinfer.runtime.model import check_model, load
 
+    with open_tinf(path) as f:   # tinyrun info
+        check_model(f)
+        describe(f, per_tensor=True)
     corrupt = None
     try:
         check_file(path, progress=False)
