@@ -43,3 +43,9 @@ def _short_repr(value, depth: int, budget: int) -> str:
         brackets = "{}" if isinstance(value, dict) else "()" if isinstance(value, tuple) else "[]"
         return brackets[0] + ", ".join(parts) + brackets[1]
     return f"<{type(value).__name__}>"
+
+
+def clipped(text: str, limit: int = 200) -> str:
+    """A problem description built from untrusted names, printable and at most `limit` characters."""
+    text = "".join(c if c.isprintable() else "?" for c in text[: limit + 1])
+    return text if len(text) <= limit else text[: limit - 3] + "..."

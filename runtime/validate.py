@@ -63,8 +63,9 @@ def check_config(config: dict, path, n_tensors: int) -> None:
             refuse(path, f"config {key} is {shown(value)}, not a number in ({low:g}, {high:g})")
     check_rope_scaling(config.get("rope_scaling"), path)
     window = config.get("sliding_window")
-    if not isinstance(config.get("qkv_bias", False), bool) or not (window is None or (is_int(window) and window >= 1)):
-        refuse(path, "qkv_bias must be a bool and sliding_window nil or a positive integer")
+    if not isinstance(config.get("qkv_bias", False), bool) or not (
+            window is None or (is_int(window) and 1 <= window < MAX_DIM)):
+        refuse(path, "qkv_bias must be a bool and sliding_window nil or a positive integer below 2^31")
     if not isinstance(config.get("tied_embeddings", False), bool):
         refuse(path, "tied_embeddings must be a bool")
 
