@@ -31,13 +31,14 @@ from tinyinfer.formats import TinyInferError
               help="SentencePiece .model for a llama2.c .bin checkpoint.")
 @click.option("--file", "gguf_name", metavar="NAME.gguf", default=None,
               help="With a Hub repo id: convert this one GGUF file of the repo.")
+@click.option("--force", is_flag=True, help="Replace an existing OUT that is not a .tinf file (never an input).")
 @click.option("--autotune", is_flag=True, help="Tune the kernels on this GPU and store the choices in the file.")
 @click.option("--push-to-hub", "push_repo", metavar="ORG/REPO", default=None,
               help="Then publish the file and a model card on the Hugging Face Hub (see HUB.md).")
 @click.option("--private", is_flag=True, help="With --push-to-hub: create the repo as private.")
 @click.version_option(package_name="tinyinfer", prog_name="tinyconvert", message="%(prog)s %(version)s")
 def main(source, out, quant, group_size, head, no_scale_search, no_calibrate, revision, token, tokenizer, gguf_name,
-         autotune, push_repo, private):
+         force, autotune, push_repo, private):
     """Convert SOURCE (a Hub repo id, a local Hugging Face checkpoint folder, a .gguf file, or a
     llama2.c .bin) into one .tinf file."""
     from tinyinfer.convert.push import check_push_options, push_to_hub
@@ -49,7 +50,8 @@ def main(source, out, quant, group_size, head, no_scale_search, no_calibrate, re
             require_cuda()
         path = convert_checkpoint(source, out=out, quant=quant, group_size=int(group_size) if group_size else None,
                                   head=head, scale_search=not no_scale_search, revision=revision, token=token,
-                                  tokenizer=tokenizer, progress=True, file=gguf_name, calibrate=not no_calibrate)
+                                  tokenizer=tokenizer, progress=True, file=gguf_name, calibrate=not no_calibrate,
+                                  force=force)
         if autotune:
             key, _ = tune_file(path)
             click.echo(f"stored autotune choices for {key} in {path}", err=True)

@@ -22,6 +22,8 @@ import numpy as np
 from tinyinfer.convert import gguf_blocks
 from tinyinfer.convert.errors import ConvertError, brief
 from tinyinfer.convert.gguf_file import Metadata, read_gguf, refuse
+from tinyinfer.formats.errors import shown
+from tinyinfer.formats.tinf import MAX_CONTEXT
 
 ARCHITECTURES = ("llama", "qwen2")
 SUPPORTED = ("supported are GGUF files of the llama and qwen2 architectures (Llama 1/2/3, Mistral, "
@@ -68,7 +70,7 @@ class GgufCheckpoint:
         self.tensors = {t.name: t for t in reader.tensors}
         self.arch = self.meta.str("general.architecture")
         if self.arch not in ARCHITECTURES:
-            refuse_model(f"its architecture is {self.arch!r}" if self.arch else "it has no general.architecture")
+            refuse_model(f"its architecture is {shown(self.arch)}" if self.arch else "it has no general.architecture")
         self.config = gguf_config(self.meta, self.arch, self.tensors)
         self.sources = source_names(self.config, permute_qk=self.arch == "llama")
         self.check_tensors()
@@ -294,7 +296,7 @@ def gguf_config(meta: Metadata, arch: str, tensors: dict) -> dict:
         "n_kv_heads": n_kv_heads, "head_dim": head_dim, "ffn_dim": required(meta, key("feed_forward_length")),
         "vocab_size": vocab_size, "norm_eps": eps, "rope_theta": theta,
         "rope_scaling": rope_scaling(meta, arch, tensors, head_dim, theta),
-        "max_context": required(meta, key("context_length")),
+        "max_context": required(meta, key("context_length"), high=MAX_CONTEXT),
         "tied_embeddings": "output.weight" not in tensors,
         "qkv_bias": "blk.0.attn_q.bias" in tensors, "sliding_window": None,
     }
@@ -312,13 +314,13 @@ def rope_scaling(meta: Metadata, arch: str, tensors: dict, head_dim: int, theta:
     kind = meta.str(f"{arch}.rope.scaling.type", "none")
     if "rope_freqs.weight" in tensors:
         if kind != "none":
-            refuse_model(f"it combines rope_freqs with rope.scaling.type {kind!r}")
+            refuse_model(f"it combines rope_freqs with rope.scaling.type {shown(kind)}")
         return llama3_scaling(tensors["rope_freqs.weight"], head_dim, theta)
     if kind == "none":
         return None
     factor = meta.float(f"{arch}.rope.scaling.factor")
     if kind != "linear" or factor is None or factor <= 0:
-        refuse_model(f"rope.scaling.type {kind!r} is not supported (only linear is)")
+        refuse_model(f"rope.scaling.type {shown(kind)} is not supported (only linear is)")
     return {"rope_type": "linear", "factor": factor} if factor != 1.0 else None
 
 

@@ -16,6 +16,7 @@ import struct
 from pathlib import Path
 
 from tinyinfer.convert.errors import ConvertError, brief
+from tinyinfer.formats.errors import clipped
 
 MAGIC = b"GGUF"
 VERSIONS = (2, 3)
@@ -47,7 +48,7 @@ class BadFile(Exception):
 
 
 def refuse(path: Path, problem: str) -> ConvertError:
-    return ConvertError(f"{path} is not a GGUF file this converter can read because {problem}; "
+    return ConvertError(f"{path} is not a GGUF file this converter can read because {clipped(problem)}; "
                         f"re-download it or convert the original checkpoint.")
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 from tinyinfer.convert.errors import ConvertError, brief
 from tinyinfer.convert.gguf_file import FLOAT_TYPES, INTEGER_TYPES, STRING, Metadata, refuse
 from tinyinfer.convert.tokenizer_files import check_tokenizer
+from tinyinfer.formats.errors import shown
 
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 GPT2_SPLIT = None   # ByteLevel's own regex: 's|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+
@@ -64,7 +65,7 @@ def gguf_tokenizer(meta: Metadata, vocab_size: int, path: Path) -> tuple[dict, s
                      "tokenizer_model": sentencepiece_model(tokens, scores, types, ids, add_space, path)}
         default_bos = True
     else:
-        raise ConvertError(f"{path} has a {model!r} tokenizer; supported are gpt2 (byte-level BPE) and llama "
+        raise ConvertError(f"{path} has a {shown(model)} tokenizer; supported are gpt2 (byte-level BPE) and llama "
                            f"(SentencePiece) vocabularies.")
     tokenizer.update({
         "bos_id": ids["bos_token_id"],
@@ -93,7 +94,7 @@ def byte_level_json(meta: Metadata, tokens: list[str], types: list[int], pre: st
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
     if pre not in PRE_TOKENIZERS:
-        raise ConvertError(f"{path} names the pre-tokenizer {pre!r}, which this converter does not know; "
+        raise ConvertError(f"{path} names the pre-tokenizer {shown(pre)}, which this converter does not know; "
                            f"known are {', '.join(sorted(PRE_TOKENIZERS))}.")
     split, digits, ignore_merges = PRE_TOKENIZERS[pre]
     merges = meta.array("tokenizer.ggml.merges", {STRING}, "strings")

@@ -7,15 +7,20 @@ as they are.
 
 from __future__ import annotations
 
-import json
+import math
 import re
 from pathlib import Path, PurePosixPath
 
 import numpy as np
 
 from tinyinfer.convert.errors import ConvertError
+from tinyinfer.convert.json_files import parse_json
 from tinyinfer.convert.safetensors_io import SafetensorsFile
+from tinyinfer.formats.errors import shown
+from tinyinfer.formats.tinf import MAX_CONTEXT, MAX_DIM, MAX_TENSORS
 
+# A .tinf file holds at most MAX_TENSORS tensors, seven per layer at most (with Q/K/V biases).
+MAX_LAYERS = (MAX_TENSORS - 3) // 7
 SUPPORTED = ("supported are Llama 1/2/3.x, TinyLlama, SmolLM2, Mistral (with or without a sliding window) "
              "and Qwen2/Qwen2.5 checkpoints in safetensors")
 MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -28,9 +33,10 @@ IGNORED_TENSOR = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_fre
 
 def read_json(path: Path) -> dict:
     try:
-        value = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
         raise ConvertError(f"cannot read {path} as JSON ({e}); fix or re-download that file.") from e
+    value = parse_json(text, path)
     if not isinstance(value, dict):
         raise ConvertError(f"{path} does not hold a JSON object; fix or re-download that file.")
     return value
@@ -49,8 +55,8 @@ def tinf_config(hf: dict) -> dict:
     refuse_unsupported(hf)
     dim = required_int(hf, "hidden_size")
     n_heads = required_int(hf, "num_attention_heads")
-    n_kv_heads = int(hf.get("num_key_value_heads") or n_heads)
-    head_dim = int(hf.get("head_dim") or 0) or dim // n_heads
+    n_kv_heads = optional_int(hf, "num_key_value_heads") or n_heads
+    head_dim = optional_int(hf, "head_dim") or dim // n_heads
     if not hf.get("head_dim") and dim % n_heads:
         refuse(f"hidden_size {dim} is not a multiple of num_attention_heads {n_heads}")
     if n_kv_heads < 1 or n_heads % n_kv_heads:
@@ -58,21 +64,21 @@ def tinf_config(hf: dict) -> dict:
     if head_dim % 2:
         refuse(f"head_dim {head_dim} is odd, which RoPE cannot rotate")
     rope = rope_parameters(hf)
-    max_context = required_int(hf, "max_position_embeddings")
+    max_context = required_int(hf, "max_position_embeddings", MAX_CONTEXT)
     return {
         "architecture": "llama",
         "dim": dim,
-        "n_layers": required_int(hf, "num_hidden_layers"),
+        "n_layers": required_int(hf, "num_hidden_layers", MAX_LAYERS),
         "n_heads": n_heads,
         "n_kv_heads": n_kv_heads,
         "head_dim": head_dim,
         "ffn_dim": required_int(hf, "intermediate_size"),
         "vocab_size": required_int(hf, "vocab_size"),
-        "norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
-        "rope_theta": float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
+        "norm_eps": optional_float(hf, "rms_norm_eps", 1e-6, 1.0),
+        "rope_theta": optional_float(rope, "rope_theta", optional_float(hf, "rope_theta", 10000.0)),
         "rope_scaling": rope_scaling(rope),
         "max_context": max_context,
-        "tied_embeddings": bool(hf.get("tie_word_embeddings", False)),
+        "tied_embeddings": optional_bool(hf, "tie_word_embeddings"),
         "qkv_bias": hf.get("model_type") == "qwen2",
         "sliding_window": sliding_window(hf, max_context),
     }
@@ -81,12 +87,12 @@ def tinf_config(hf: dict) -> dict:
 def refuse_unsupported(hf: dict) -> None:
     model_type = hf.get("model_type")
     if model_type not in MODEL_TYPES:
-        refuse(f"model_type {model_type!r} is not supported")
+        refuse(f"model_type {shown(model_type)} is not supported")
     if hf.get("quantization_config"):
         refuse("already-quantized checkpoints (quantization_config) are not supported")
     activation = hf.get("hidden_act", hf.get("hidden_activation", "silu"))
     if activation != "silu":
-        refuse(f"hidden_act {activation!r} is not supported (only silu is)")
+        refuse(f"hidden_act {shown(activation)} is not supported (only silu is)")
     if hf.get("mlp_bias"):
         refuse("mlp_bias=true is not supported (MLP projections without biases only)")
     if hf.get("attention_bias") and model_type != "qwen2":
@@ -104,10 +110,14 @@ def sliding_window(hf: dict, max_context: int) -> int | None:
         window = hf["sliding_window"] if "sliding_window" in hf else MISTRAL_DEFAULT_WINDOW
     elif model_type == "qwen2" and hf.get("use_sliding_window"):
         window = hf.get("sliding_window", MISTRAL_DEFAULT_WINDOW)
-        n_layers = required_int(hf, "num_hidden_layers")
+        n_layers = required_int(hf, "num_hidden_layers", MAX_LAYERS)
         first = hf.get("max_window_layers", 28)
+        if not isinstance(first, int) or isinstance(first, bool) or first < 0:
+            refuse(f"max_window_layers {shown(first)} is not a non-negative integer")
         kinds = hf.get("layer_types") or ["sliding_attention" if i >= first else "full_attention"
                                           for i in range(n_layers)]
+        if not isinstance(kinds, list) or not all(isinstance(k, str) for k in kinds):
+            refuse(f"layer_types {shown(kinds)} is not a list of strings")
         if window is not None and set(kinds) != {"sliding_attention"}:
             if "sliding_attention" in kinds:
                 refuse("some layers use a sliding window and others full attention (layer_types), "
@@ -118,7 +128,7 @@ def sliding_window(hf: dict, max_context: int) -> int | None:
     if window is None:
         return None
     if not isinstance(window, int) or isinstance(window, bool) or window < 1:
-        refuse(f"sliding_window {window!r} is not a positive integer")
+        refuse(f"sliding_window {shown(window)} is not a positive integer")
     return window if window < max_context else None
 
 
@@ -126,7 +136,7 @@ def rope_parameters(hf: dict) -> dict:
     """RoPE settings: transformers 5 keeps them in `rope_parameters`, older configs use `rope_scaling`."""
     params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     if not isinstance(params, dict):
-        refuse(f"rope scaling {params!r} is not a map")
+        refuse(f"rope scaling {shown(params)} is not a map")
     return params
 
 
@@ -138,8 +148,8 @@ def rope_scaling(params: dict) -> dict | None:
     needed = {"linear": ("factor",),
               "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
     if kind not in needed:
-        refuse(f"rope scaling type {kind!r} is not supported (only linear and llama3 are)")
-    missing = [key for key in needed[kind] if not isinstance(params.get(key), (int, float))]
+        refuse(f"rope scaling type {shown(kind)} is not supported (only linear and llama3 are)")
+    missing = [key for key in needed[kind] if not is_positive_number(params.get(key))]
     if missing:
         refuse(f"{kind} rope scaling lacks {', '.join(missing)}")
     scaling = {"rope_type": kind, **{key: float(params[key]) for key in needed[kind]}}
@@ -148,10 +158,35 @@ def rope_scaling(params: dict) -> dict | None:
     return scaling
 
 
-def required_int(hf: dict, key: str) -> int:
+def required_int(hf: dict, key: str, high: int = MAX_DIM - 1) -> int:
     value = hf.get(key)
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        refuse(f"config.json lacks a positive integer {key}")
+    if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= high:
+        refuse(f"config.json lacks a positive integer {key} (at most {high}), it has {shown(value)}")
+    return value
+
+
+def optional_int(hf: dict, key: str) -> int | None:
+    """A positive integer, or None where the key is absent or null."""
+    return None if hf.get(key) is None else required_int(hf, key)
+
+
+def is_positive_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and 0 < value < 1e30
+
+
+def optional_float(hf: dict, key: str, default: float, high: float = 1e30) -> float:
+    value = hf.get(key)
+    if value is None:
+        return default
+    if not is_positive_number(value) or value >= high:
+        refuse(f"config.json's {key} is {shown(value)}, not a positive number below {high:g}")
+    return float(value)
+
+
+def optional_bool(hf: dict, key: str) -> bool:
+    value = hf.get(key, False)
+    if not isinstance(value, bool):
+        refuse(f"config.json's {key} is {shown(value)}, not true or false")
     return value
 
 
@@ -228,7 +263,7 @@ def index_weight_map(folder: Path) -> dict[str, str]:
     for filename in set(weight_map.values()):
         name = PurePosixPath(filename.replace("\\", "/"))
         if not name.parts or name.is_absolute() or ".." in name.parts or not filename.endswith(".safetensors"):
-            raise ConvertError(f"{index_path} names shard {filename!r}, which is not a .safetensors "
+            raise ConvertError(f"{index_path} names shard {shown(filename)}, which is not a .safetensors "
                                f"file inside {folder}; fix the index.")
     return weight_map
 
@@ -242,7 +277,7 @@ def shards_from_index(folder: Path, index_path: Path) -> dict[str, SafetensorsFi
     opened = {filename: SafetensorsFile(folder / filename) for filename in set(weight_map.values())}
     for name, filename in weight_map.items():
         if name not in opened[filename].entries:
-            raise ConvertError(f"{index_path} puts tensor {name!r} in {filename}, which does not "
+            raise ConvertError(f"{index_path} puts tensor {shown(name)} in {shown(filename)}, which does not "
                                f"contain it; re-download the checkpoint.")
     return {name: opened[filename] for name, filename in weight_map.items()}
 

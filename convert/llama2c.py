@@ -20,10 +20,12 @@ from pathlib import Path
 import numpy as np
 
 from tinyinfer.convert.errors import ConvertError
+from tinyinfer.formats.tinf import MAX_CONTEXT, MAX_TENSORS
 
 MAGIC = 0x616B3432
 HEADER_V1 = 256
 NORM_EPS = 1e-5          # llama2.c's ModelArgs default
+MAX_LAYERS = (MAX_TENSORS - 3) // 6   # what a .tinf file can hold; bounds the layout tables built from the header
 ROPE_THETA = 10000.0
 # Per-layer matrices in file order (llama2.c names): w1 = gate, w2 = down, w3 = up.
 MATRICES = ("wq", "wk", "wv", "wo", "w1", "w2", "w3")
@@ -170,6 +172,9 @@ def read_header(path: Path) -> tuple[int, tuple[int, ...], bool, int | None]:
             raise bad_file(path, f"its quantization group size {group} is not positive")
     if min(params) < 1:
         raise bad_file(path, f"its header {list(params)} has a non-positive size")
+    if params[2] > MAX_LAYERS or params[6] > MAX_CONTEXT:
+        raise bad_file(path, f"its header {list(params)} declares more than {MAX_LAYERS} layers or "
+                             f"{MAX_CONTEXT} positions")
     return version, params, shared, group
 
 

@@ -8,8 +8,12 @@ a time, so memory stays around the size of the largest fused matrix.
 from __future__ import annotations
 
 import math
+import os
+import signal
 import sys
+import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -18,7 +22,7 @@ import numpy as np
 from tqdm import tqdm
 
 from tinyinfer.convert import hub
-from tinyinfer.convert.errors import ConvertError
+from tinyinfer.convert.errors import ConvertError, brief
 from tinyinfer.convert.gguf_checkpoint import GgufCheckpoint, open_gguf
 from tinyinfer.convert.hf import HfCheckpoint, read_hf_config, readme_license, tinf_config
 from tinyinfer.convert.llama2c import Llama2cCheckpoint
@@ -57,11 +61,12 @@ class Source:
 
 def convert_checkpoint(source, out=None, quant=None, group_size=None, head=None, scale_search=True,
                        revision=None, token=None, tokenizer=None, progress=True, file=None,
-                       calibrate=True) -> Path:
+                       calibrate=True, force=False) -> Path:
     """Convert a Hub repo id (with `file`: one .gguf file of it), a local HF folder, a .gguf file or a
     llama2.c .bin to a .tinf file; returns its path. quant/group_size None: q4 with its default group
     (DEFAULT_GROUP), and for GGUF input each matrix keeps the file's own encoding where tinyinfer holds
-    it exactly. calibrate: weigh q4's scale search by activation statistics (convert.calibration)."""
+    it exactly. calibrate: weigh q4's scale search by activation statistics (convert.calibration).
+    An existing .tinf at `out` is replaced; any other existing file only with force; an input never."""
     started = time.perf_counter()
     check_options(quant, group_size, head)
     if out is not None and Path(out).is_dir():
@@ -70,12 +75,18 @@ def convert_checkpoint(source, out=None, quant=None, group_size=None, head=None,
     specs, group_size = encoding_plan(model.checkpoint, quant, group_size, head)
     quant, group_size = layer_encoding(specs, group_size)
     out = Path(out) if out is not None else default_output(Path(file).stem if file else source, quant)
+    check_output(out, input_paths(model, tokenizer), force)
     importance, calibration_tokens = {}, 0
     if calibrate and scale_search and any(spec.encoding == "q4" for spec in specs):
         importance, calibration_tokens = calibrate_inputs(model, progress)
     metadata = build_metadata(model, str(source) + (f"/{file}" if file else ""), quant, group_size, scale_search,
                               calibration_tokens)
-    write_tensors(out, metadata, specs, model.checkpoint, scale_search, progress, importance)
+    try:
+        with terminate_as_exit():
+            write_tensors(out, metadata, specs, model.checkpoint, scale_search, progress, importance)
+    except OSError as e:
+        raise ConvertError(f"cannot write {out} ({e.strerror or brief(e)}); check that its folder exists and is "
+                           f"writable and that the disk has room.") from None
     if progress:
         print(summary(out, time.perf_counter() - started), file=sys.stderr)
     return out
@@ -97,6 +108,67 @@ def default_output(source, quant: str) -> Path:
     if path.is_file():
         name = path.stem
     return Path(f"{name}-{quant}.tinf")
+
+
+def input_paths(model: Source, tokenizer) -> tuple[list[Path], list[Path]]:
+    """(the checkpoint's input files, the folders every file of which is an input)."""
+    checkpoint = model.checkpoint
+    if isinstance(checkpoint, HfCheckpoint):
+        return [], [checkpoint.folder]
+    files = [Path(checkpoint.path)] + ([Path(tokenizer).expanduser()] if tokenizer else [])
+    return files, []
+
+
+def check_output(out: Path, inputs: tuple[list[Path], list[Path]], force: bool) -> None:
+    """Replace an existing .tinf (atomically, as the writer does: no conversion reads one); never write
+    over an input (a .bin, a shard, a .gguf, any file of the source folder, through links too); any
+    other existing file only with force."""
+    if not os.path.lexists(out) or existing_tinf(out):
+        return
+    files, folders = inputs
+    target = out.resolve()
+    for folder in folders:
+        folder = folder.resolve()
+        if target.is_relative_to(folder) or any(samefile(out, f) for f in folder.iterdir()):
+            raise ConvertError(f"{out} is a file of the checkpoint being converted; pick an output path "
+                               f"outside {folder}.")
+    if any(samefile(out, f) for f in files):
+        raise ConvertError(f"{out} is an input of this conversion; pick another output path.")
+    if not force:
+        raise ConvertError(f"{out} already exists and is not a .tinf file; pick another output path, or pass "
+                           f"--force to replace it.")
+
+
+def existing_tinf(path: Path) -> bool:
+    try:
+        return path.is_file() and is_tinf_file(path)
+    except OSError:
+        return False
+
+
+def samefile(a: Path, b: Path) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
+@contextmanager
+def terminate_as_exit():
+    """SIGTERM raises SystemExit while the file is written, so the writer removes its temporary file
+    (a signal handler can only be set on the main thread; elsewhere the default stays)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, exit_on_signal)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def exit_on_signal(signum, frame):
+    raise SystemExit(128 + signum)
 
 
 def open_source(source: str, revision, token, tokenizer, progress, file=None) -> Source:

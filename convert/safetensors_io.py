@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from tinyinfer.convert.errors import ConvertError
+from tinyinfer.formats.errors import shown
 from tinyinfer.formats.quant import bf16_to_f32
 
 MAX_HEADER_BYTES = 100_000_000          # the Rust crate's limit
@@ -50,14 +51,14 @@ class SafetensorsFile:
         (a C-contiguous float32 array of the tensor's shape, e.g. a row block of a fused matrix)."""
         entry = self.entries[name]
         if entry["dtype"] not in DTYPES:
-            raise ConvertError(f"tensor {name!r} in {self.path} has dtype {entry['dtype']}; "
+            raise ConvertError(f"tensor {shown(name)} in {self.path} has dtype {entry['dtype']}; "
                                f"only F32, F16 and BF16 checkpoints can be converted.")
         storage, itemsize = DTYPES[entry["dtype"]]
         begin, end = entry["data_offsets"]
         count = (end - begin) // itemsize
         raw = np.fromfile(self.path, dtype=storage, count=count, offset=self.data_start + begin)
         if raw.size != count:
-            raise ConvertError(f"{self.path} was truncated while reading {name!r}; download it again.")
+            raise ConvertError(f"{self.path} was truncated while reading {shown(name)}; download it again.")
         raw = raw.reshape(entry["shape"])
         if out is None:
             out = np.empty(raw.shape, np.float32)
@@ -100,7 +101,7 @@ def parse_json(path: Path, header_bytes: bytes) -> dict:
 
     try:
         header = json.loads(header_bytes.decode("utf-8"), object_pairs_hook=no_duplicates)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:   # ValueError: JSON syntax, huge integers
         raise bad_file(path, "its header is not valid UTF-8 JSON") from e
     if not isinstance(header, dict):
         raise bad_file(path, "its header is not a JSON object")
@@ -110,18 +111,18 @@ def parse_json(path: Path, header_bytes: bytes) -> dict:
 def checked_entry(path: Path, name: str, entry) -> dict:
     """Validate one tensor entry: known dtype, non-negative shape, size matching its byte range."""
     if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
-        raise bad_file(path, f"tensor {name!r} does not have exactly dtype, shape and data_offsets")
+        raise bad_file(path, f"tensor {shown(name)} does not have exactly dtype, shape and data_offsets")
     dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
     if dtype not in DTYPE_BITS:
-        raise bad_file(path, f"tensor {name!r} has unknown dtype {dtype!r}")
+        raise bad_file(path, f"tensor {shown(name)} has unknown dtype {shown(dtype)}")
     if not (isinstance(shape, list) and all(is_count(d) for d in shape)):
-        raise bad_file(path, f"tensor {name!r} has an invalid shape {shape!r}")
+        raise bad_file(path, f"tensor {shown(name)} has an invalid shape {shown(shape)}")
     if not (isinstance(offsets, list) and len(offsets) == 2 and all(is_count(o) for o in offsets)
             and offsets[0] <= offsets[1]):
-        raise bad_file(path, f"tensor {name!r} has invalid data_offsets {offsets!r}")
+        raise bad_file(path, f"tensor {shown(name)} has invalid data_offsets {shown(offsets)}")
     bits = math.prod(shape) * DTYPE_BITS[dtype]           # Python ints: no overflow
     if bits % 8 or bits // 8 != offsets[1] - offsets[0]:
-        raise bad_file(path, f"tensor {name!r} has {offsets[1] - offsets[0]} bytes but shape {shape} of {dtype}")
+        raise bad_file(path, f"tensor {shown(name)} has {offsets[1] - offsets[0]} bytes but shape {shape} of {dtype}")
     return {"dtype": dtype, "shape": shape, "data_offsets": offsets}
 
 
@@ -131,7 +132,7 @@ def check_offsets(path: Path, entries: dict, buffer_size: int) -> None:
     for name, entry in sorted(entries.items(), key=lambda item: tuple(item[1]["data_offsets"])):
         begin, end = entry["data_offsets"]
         if begin != position:
-            raise bad_file(path, f"tensor {name!r} starts at byte {begin} instead of {position}")
+            raise bad_file(path, f"tensor {shown(name)} starts at byte {begin} instead of {position}")
         position = end
     if position != buffer_size:
         raise bad_file(path, f"its tensors cover {position} bytes but the data section has {buffer_size}")

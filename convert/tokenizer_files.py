@@ -8,11 +8,13 @@ bytes where there is no tokenizer.json.
 
 from __future__ import annotations
 
-import json
+import sys
 from pathlib import Path
 
 from tinyinfer.convert.errors import ConvertError, brief
+from tinyinfer.convert.json_files import parse_json
 from tinyinfer.convert.transformers_tokenizer import CLASS_DEFAULTS, tokenizer_class, transformers_tokenizer_json
+from tinyinfer.runtime.validate import generation_problems
 
 SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token")
 GENERATION_KEYS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "max_new_tokens", "do_sample")
@@ -23,9 +25,10 @@ def load_json(path: Path) -> dict:
     if not path.is_file():
         return {}
     try:
-        value = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ConvertError(f"cannot parse {path} ({e}); fix or re-download that file.") from e
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConvertError(f"cannot read {path} ({brief(e)}); fix or re-download that file.") from e
+    value = parse_json(text, path)
     return value if isinstance(value, dict) else {}
 
 
@@ -49,7 +52,8 @@ def chat_template(folder: Path, tokenizer_config: dict) -> str | None:
     chat_template.jinja, else chat_template.json."""
     template = tokenizer_config.get("chat_template")
     if isinstance(template, list):
-        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        named = {t.get("name"): t.get("template") for t in template
+                 if isinstance(t, dict) and isinstance(t.get("name"), str)}
         template = named.get("default")
     if isinstance(template, str):
         return template
@@ -103,6 +107,9 @@ def hf_tokenizer(folder: Path, hf_config: dict) -> tuple[dict, str | None, dict]
         tokenizer["special_tokens"] = {**sentencepiece_special_tokens(tokenizer["tokenizer_model"]),
                                        **tokenizer["special_tokens"]}
     generation = {k: generation_config[k] for k in GENERATION_KEYS if generation_config.get(k) is not None}
+    for key, problem in generation_problems(generation).items():   # transformers warns and ignores them too
+        print(f"note: {problem}; it is left out of the file.", file=sys.stderr)
+        del generation[key]
     return tokenizer, chat_template(folder, tokenizer_config), generation
 
 
@@ -121,16 +128,16 @@ def default_add_bos(tokenizer_json: str | None) -> bool:
     sentencepiece model (Llama 1/2, llama2.c) adds it, as Llama's SentencePiece tokenizers always did."""
     if tokenizer_json is None:
         return True
-    try:
-        parsed = json.loads(tokenizer_json)
-    except json.JSONDecodeError as e:
-        raise ConvertError(f"cannot parse tokenizer.json ({e}); fix or re-download that file.") from e
+    parsed = parse_json(tokenizer_json, "tokenizer.json")
     processor = (parsed.get("post_processor") if isinstance(parsed, dict) else None) or {}
+    if not isinstance(processor, dict):
+        return False
     processors = processor.get("processors", [processor]) if processor.get("type") == "Sequence" else [processor]
-    for step in processors:
-        if step.get("type") == "TemplateProcessing":
+    for step in processors if isinstance(processors, list) else []:
+        if isinstance(step, dict) and step.get("type") == "TemplateProcessing":
             single = step.get("single") or []
-            return bool(single) and "SpecialToken" in single[0]
+            return (isinstance(single, list) and bool(single) and isinstance(single[0], dict)
+                    and "SpecialToken" in single[0])
     return False
 
 
@@ -172,7 +179,9 @@ def tokenizer_vocab_size(tokenizer: dict) -> int:
         from tokenizers import Tokenizer
         try:
             return Tokenizer.from_str(tokenizer["tokenizer_json"]).get_vocab_size(with_added_tokens=True)
-        except Exception as e:  # the tokenizers library raises plain Exception subclasses
+        except BaseException as e:  # plain Exception subclasses, or a Rust panic (a BaseException)
+            if isinstance(e, (KeyboardInterrupt, SystemExit)):
+                raise
             raise ConvertError(f"tokenizer.json cannot be loaded ({brief(e)}); fix or re-download it.") from e
     return load_sentencepiece(tokenizer["tokenizer_model"]).GetPieceSize()
 

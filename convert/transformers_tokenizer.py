@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 
 from tinyinfer.convert.errors import ConvertError, brief
+from tinyinfer.formats.errors import shown
 
 # Qwen2Tokenizer's pre-tokenizer split: digits one at a time (Llama 3's takes up to three).
 QWEN2_PATTERN = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
@@ -74,7 +75,7 @@ def setting(tokenizer_config: dict, key: str, default: bool) -> bool:
     if value is None:
         return default
     if not isinstance(value, bool):
-        raise ConvertError(f"tokenizer_config.json's {key} is {value!r}, not true or false; fix that file.")
+        raise ConvertError(f"tokenizer_config.json's {key} is {shown(value)}, not true or false; fix that file.")
     return value
 
 

@@ -8,6 +8,7 @@ into a temporary file beside the target, fills in the checksums and renames only
 
 from __future__ import annotations
 
+import glob
 import os
 import struct
 import tempfile
@@ -15,10 +16,15 @@ import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
+try:
+    import fcntl
+except ImportError:   # not POSIX: temporary files are not locked, and stale ones are left alone
+    fcntl = None
+
 import msgpack
 import numpy as np
 
-from .errors import FormatError
+from .errors import FormatError, shown
 from .quant import (ENCODINGS, GROUP_SIZES, QUANTIZED, SECTION_ALIGN, STORAGE_DTYPE, Tensor, padded_cols,
                     rows_cols, scale_offset, tensor_nbytes)
 
@@ -30,6 +36,9 @@ TENSOR_ALIGN = SECTION_ALIGN
 MAX_METADATA_BYTES = 64 << 20
 MAX_TENSORS = 100_000
 MAX_DIM = 1 << 31
+# Longest context a file may declare: positions are int32 on the GPU, and no published model comes
+# near 2^24 (16.7M) positions; the backends size their tables from it, so it is bounded before use.
+MAX_CONTEXT = 1 << 24
 CRC_PLACEHOLDER = "00000000"
 REQUIRED_KEYS = {"config": dict, "tokenizer": dict, "tensors": list}
 OPTIONAL_KEYS = {"chat_template": (str, type(None)), "generation": dict, "provenance": dict, "autotune": dict}
@@ -108,7 +117,8 @@ class TinfWriter:
 
     def __enter__(self):
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=self.path.name + ".tmp-", dir=self.path.parent)
+        remove_stale_temporaries(self.path)
+        fd, tmp = locked_temporary(self.path)
         self.tmp_path = Path(tmp)
         self.file = os.fdopen(fd, "w+b")
         self.file.write(self.header)
@@ -160,6 +170,33 @@ class TinfWriter:
         self.file.close()
         os.chmod(self.tmp_path, 0o666 & ~current_umask())  # mkstemp makes it 0600; give it normal permissions
         os.replace(self.tmp_path, self.path)
+
+
+def locked_temporary(path: Path) -> tuple[int, str]:
+    """mkstemp beside `path`, locked for as long as the descriptor is open: a writer that is killed
+    loses its lock with its process, which is how the next run tells its file is stale."""
+    fd, tmp = tempfile.mkstemp(prefix=path.name + ".tmp-", dir=path.parent)
+    if fcntl is not None:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+    return fd, tmp
+
+
+def remove_stale_temporaries(path: Path) -> None:
+    """Delete the temporary files that killed writes of `path` left behind (those no process holds locked)."""
+    if fcntl is None:
+        return
+    for name in glob.glob(glob.escape(str(path)) + ".tmp-*"):
+        try:
+            fd = os.open(name, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.unlink(name)
+        except OSError:   # locked by a live writer, or already gone
+            pass
+        finally:
+            os.close(fd)
 
 
 def current_umask() -> int:
@@ -267,19 +304,19 @@ class TinfFile:
         if not isinstance(entry, dict):
             self.fail(f"tensor directory entry {i} is not a map; the file is corrupt.")
         name = entry.get("name")
-        if not isinstance(name, str) or not name:
-            self.fail(f"tensor directory entry {i} has no name; the file is corrupt.")
-        where = f"tensor {name!r}"
+        if not isinstance(name, str) or not name or len(name) > 256:
+            self.fail(f"tensor directory entry {i} has no name (or one over 256 characters); the file is corrupt.")
+        where = f"tensor {shown(name)}"
         encoding = entry.get("encoding")
-        if encoding not in ENCODINGS:
-            self.fail(f"{where} has unknown encoding {encoding!r}; upgrade tinyinfer or convert the model again.")
+        if not isinstance(encoding, str) or encoding not in ENCODINGS:
+            self.fail(f"{where} has unknown encoding {shown(encoding)}; upgrade tinyinfer or convert the model again.")
         shape = entry.get("shape")
         if (not isinstance(shape, list) or len(shape) not in (1, 2)
                 or not all(isinstance(s, int) and not isinstance(s, bool) and 1 <= s < MAX_DIM for s in shape)):
-            self.fail(f"{where} has an invalid shape {shape!r}; the file is corrupt.")
+            self.fail(f"{where} has an invalid shape {shown(shape)}; the file is corrupt.")
         group = entry.get("group")
-        if encoding in QUANTIZED and group not in GROUP_SIZES:
-            self.fail(f"{where} has invalid group size {group!r}; the file is corrupt.")
+        if encoding in QUANTIZED and (type(group) is not int or group not in GROUP_SIZES):
+            self.fail(f"{where} has invalid group size {shown(group)}; the file is corrupt.")
         if encoding not in QUANTIZED:
             group = None
         offset, nbytes, crc = entry.get("offset"), entry.get("nbytes"), entry.get("crc32")
@@ -289,7 +326,8 @@ class TinfFile:
             self.fail(f"{where} is not aligned to {TENSOR_ALIGN} bytes; the file is corrupt.")
         expected = tensor_nbytes(encoding, shape, group)
         if nbytes != expected:
-            self.fail(f"{where} claims {nbytes} bytes but {encoding}{shape} needs {expected}; the file is corrupt.")
+            self.fail(f"{where} claims {shown(nbytes)} bytes but {encoding}{shape} needs {expected}; "
+                      "the file is corrupt.")
         if offset + nbytes > data_size:
             self.fail(f"{where} extends past the end of the file; the file is truncated, download or convert it again.")
         if not isinstance(crc, str) or len(crc) != 8 or any(c not in "0123456789abcdef" for c in crc):
@@ -360,7 +398,8 @@ def rewrite_metadata(source, out, updates: dict) -> Path:
         header, data_offset = pack_header(metadata)
         data_size = src.file_size - src.data_offset
         out = Path(out)
-        fd, tmp = tempfile.mkstemp(prefix=out.name + ".tmp-", dir=out.parent)
+        remove_stale_temporaries(out)
+        fd, tmp = locked_temporary(out)
         try:
             with os.fdopen(fd, "wb") as dst, open(src.path, "rb") as data:
                 dst.write(header + b"\0" * (data_offset - len(header)))

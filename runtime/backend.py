@@ -6,7 +6,16 @@ from typing import Iterator
 
 import numpy as np
 
+from tinyinfer.runtime.errors import NonFiniteLogitsError
 from tinyinfer.runtime.sampling import SamplingParams, sample
+
+
+def check_finite(logits: np.ndarray) -> np.ndarray:
+    """Logits a sampler can use: NaN or inf (from corrupt weights) would leave it no token to pick."""
+    if not np.isfinite(logits).all():
+        raise NonFiniteLogitsError("The model computed NaN or infinite logits, so its weights are likely corrupt; "
+                                   "check the file with `tinyrun info FILE --check` and download or convert it again.")
+    return logits
 
 
 class Backend:
@@ -33,7 +42,7 @@ class Backend:
         logits = self.forward(np.asarray(history, dtype=np.int64), start_pos)[-1]
         pos = start_pos + len(history)
         for i in range(max_new_tokens):
-            token = sample(logits, params, history, rng.random())
+            token = sample(check_finite(logits), params, history, rng.random())
             yield token
             history.append(token)
             if i + 1 < max_new_tokens:   # no forward for a token nobody will sample from

@@ -31,3 +31,12 @@ class SamplingError(TinyInferError):
 
 class SlotsFullError(TinyInferError):
     """Every sequence slot of a batched engine is busy."""
+
+
+class TokenIdError(TinyInferError, ValueError):
+    """A token id outside the model's vocabulary would reach a backend (a ValueError too, as callers
+    passing their own ids expect)."""
+
+
+class NonFiniteLogitsError(TinyInferError):
+    """The model computed NaN or infinite logits, which no sampler can draw from (corrupt weights)."""

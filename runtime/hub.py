@@ -86,13 +86,19 @@ def resolve_model(ref: str, token: str | None = None) -> Path:
 
 def download(ref: HubRef, token: str | None = None) -> Path:
     """Fetch ref's .tinf into the Hub cache (or find it there when offline); returns its cached path."""
-    from huggingface_hub import hf_hub_download
+    from huggingface_hub import hf_hub_download, try_to_load_from_cache
+
+    from tinyinfer.runtime.integrity import verify_download
 
     online_files = hub_listing(ref, token)
     filename = ref.filename or only_tinf(ref, cached_files(ref) if online_files is None else online_files)
     with hub_errors(ref, filename):
-        return Path(hf_hub_download(ref.repo_id, filename, revision=ref.revision, token=token,
+        before = try_to_load_from_cache(ref.repo_id, filename, revision=ref.revision)
+        path = Path(hf_hub_download(ref.repo_id, filename, revision=ref.revision, token=token,
                                     local_files_only=online_files is None))
+    if not isinstance(before, str) or Path(before).resolve() != path.resolve():
+        verify_download(path)   # fetched just now: its checksums are read once, here
+    return path
 
 
 def only_tinf(ref: HubRef, files: list[str]) -> str:

@@ -39,3 +39,23 @@ def check_file(path, progress: bool = True) -> int:
             raise IntegrityError(f"{f.path}: {noun} checksum ({shown}); the file is corrupt, download or "
                                  f"convert it again.")
         return len(f.names)
+
+
+def verify_download(path, progress: bool = True) -> None:
+    """Check a file just downloaded from the Hub, once, before its first use (the Hub checks sizes and
+    its own hashes of what it stores, not what the file's tensors were written as). A corrupt download
+    is removed from the cache, so the next attempt fetches it anew; a file that is no readable .tinf at
+    all is left for the loader to report."""
+    from pathlib import Path
+
+    path = Path(path)
+    try:
+        check_file(path, progress)
+    except IntegrityError as e:
+        blob = path.resolve()
+        for cached in {path, blob}:
+            cached.unlink(missing_ok=True)
+        raise IntegrityError(f"{str(e).split(';')[0]}; the download is corrupt and was removed from the cache, "
+                             f"run the command again to download it anew.") from None
+    except FormatError:
+        pass

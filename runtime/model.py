@@ -13,6 +13,8 @@ from tinyinfer.runtime.chat import encode_chat
 from tinyinfer.runtime.errors import ContextOverflowError, DeviceError, LoadError
 from tinyinfer.runtime.sampling import SamplingParams
 from tinyinfer.runtime.tokenizer import Tokenizer
+from tinyinfer.runtime.validate import (check_config, check_generation, check_token_ids, check_tokenizer_meta,
+                                        check_tokenizer_vocab)
 
 DEFAULT_MAX_TOKENS = 256
 NO_GPU = ("No CUDA GPU is available; install tinyinfer[cuda12] or [cuda13] on a machine with an "
@@ -30,6 +32,7 @@ def load(path, device: str = "auto", verbose: bool = False, max_context: int | N
     tinf = open_tinf(path)
     check_model(tinf)
     tokenizer = Tokenizer.from_metadata(tinf.metadata["tokenizer"])
+    check_tokenizer_vocab(tokenizer, tinf.path, tinf.config["vocab_size"])
     backend = make_backend(tinf, device, verbose, max_context, weight_cache_bytes)
     return Model(tinf, backend, tokenizer)
 
@@ -50,19 +53,12 @@ def expected_shapes(c: dict) -> dict[str, tuple]:
 
 
 def check_model(tinf) -> None:
-    """The config describes a Llama model this runtime can run, and every tensor has the shape it implies."""
+    """The config describes a Llama model this runtime can run, every tensor has the shape it implies, and
+    the tokenizer map and generation defaults have the types and ranges the runtime expects."""
     c = tinf.config
-    keys = ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim", "vocab_size", "max_context")
-    if c.get("architecture") != "llama" or not all(isinstance(c.get(k), int) and c[k] > 0 for k in keys):
-        raise FormatError(f"{tinf.path}: the config is not a complete Llama config; convert the model again.")
-    if c["n_heads"] % c["n_kv_heads"] or c["head_dim"] % 2:
-        raise FormatError(f"{tinf.path}: n_heads must be a multiple of n_kv_heads and head_dim even; "
-                          "convert the model again.")
-    window = c.get("sliding_window")
-    if not isinstance(c.get("qkv_bias", False), bool) or not (
-            window is None or (isinstance(window, int) and not isinstance(window, bool) and window >= 1)):
-        raise FormatError(f"{tinf.path}: qkv_bias must be a bool and sliding_window nil or a positive integer; "
-                          "convert the model again.")
+    check_config(c, tinf.path, len(tinf.names))
+    check_tokenizer_meta(tinf.metadata["tokenizer"], tinf.path, c["vocab_size"])
+    check_generation(tinf.metadata.get("generation"), tinf.path)
     for name, shape in expected_shapes(c).items():
         if tinf.info(name).shape != shape:
             raise FormatError(f"{tinf.path}: tensor {name!r} has shape {list(tinf.info(name).shape)}, "
@@ -141,20 +137,15 @@ class Model:
 
     def logits(self, token_ids) -> np.ndarray:
         """float32 logits [len(token_ids), vocab] for the ids, computed from an empty cache."""
-        ids = np.asarray(token_ids, dtype=np.int64).ravel()
-        self.check_ids(ids)
+        ids = np.asarray(token_ids).ravel()
+        check_token_ids(ids, self.config["vocab_size"])
+        ids = ids.astype(np.int64)
         if ids.size > self.max_context:
             raise ContextOverflowError(f"{ids.size} tokens exceed the model's context of {self.max_context}; "
                                        "score a shorter sequence.")
         self.cached_ids = []
         self.backend.reset()
         return self.backend.forward(ids, 0)
-
-    def check_ids(self, ids: np.ndarray) -> None:
-        if ids.size == 0:
-            raise ValueError("token_ids is empty; pass at least one token id.")
-        if ids.min() < 0 or ids.max() >= self.config["vocab_size"]:
-            raise ValueError(f"token ids must be in [0, {self.config['vocab_size']}).")
 
     # ---------------------------------------------------------------------------- generation
 
@@ -210,6 +201,7 @@ class Model:
         ids = self.prompt_ids(prompt, chat, system, **template_kwargs)
         if not ids:
             raise ValueError("the prompt is empty and the model has no BOS token; pass some text.")
+        check_token_ids(ids, self.config["vocab_size"])
         params = self.sampling_params(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                                       repetition_penalty=repetition_penalty)
         n_new = self.new_token_budget(len(ids), max_tokens)
@@ -310,6 +302,8 @@ class Model:
             for token in self.backend.generate_ids(ids[reuse:], reuse, params, n_new, rng):
                 if not generated:
                     stats["first_token_s"] = time.perf_counter() - start
+                if not 0 <= token < self.config["vocab_size"]:   # fed back next step: never out of range
+                    check_token_ids([token], self.config["vocab_size"])
                 generated.append(token)
                 stats["new_tokens"] += 1
                 if token in self.tokenizer.eos_ids:

@@ -16,7 +16,7 @@ import numpy as np
 from tinyinfer.formats import Tensor
 from tinyinfer.runtime import reference as ref
 from tinyinfer.runtime.backend import Backend
-from tinyinfer.runtime.errors import ContextOverflowError
+from tinyinfer.runtime.errors import ContextOverflowError, LoadError
 
 # Dequantized float32 weights are kept in memory while they fit in a budget: by default what the
 # system has available (less headroom for everything else), else FALLBACK_BUDGET_BYTES where that
@@ -31,6 +31,7 @@ CPU_READ_BYTES_PER_S = 12e9
 CPU_DEQUANT_BYTES_PER_S = 1.2e9
 CPU_STEP_SECONDS, CPU_LAYER_SECONDS = 100e-6, 150e-6    # Python's share of a step, which small models feel
 PROGRESS_MIN_BYTES = 256 << 20     # show a progress bar while caching more than this
+ROPE_BYTES_PER_ENTRY = 32          # float64 angles, cos and sin, and their float32 tables, while built
 
 
 def available_memory_bytes() -> int | None:
@@ -43,6 +44,31 @@ def available_memory_bytes() -> int | None:
     except (OSError, ValueError, IndexError):
         pass
     return None
+
+
+def address_space_room_bytes() -> int | None:
+    """What RLIMIT_AS still lets this process map (its limit less the current size), or None."""
+    try:
+        import resource
+
+        limit = resource.getrlimit(resource.RLIMIT_AS)[0]
+        if limit == resource.RLIM_INFINITY:
+            return None
+        with open("/proc/self/statm") as f:
+            mapped = int(f.read().split()[0]) * resource.getpagesize()
+        return max(limit - mapped, 0)
+    except (ImportError, OSError, ValueError, IndexError):
+        return None
+
+
+def check_rope_tables_fit(max_context: int, head_dim: int) -> None:
+    """The RoPE tables cover the whole context up front: refuse, before allocating, ones that cannot fit."""
+    need = ROPE_BYTES_PER_ENTRY * max_context * (head_dim // 2)
+    rooms = [r for r in (available_memory_bytes(), address_space_room_bytes()) if r is not None]
+    if rooms and need > min(rooms):
+        raise LoadError(f"The model's context of {max_context} positions needs {need / 2**30:.1f} GiB of RoPE "
+                        f"tables, more than the {min(rooms) / 2**30:.1f} GiB available; load it with a smaller "
+                        "max_context (tinyrun -c N).")
 
 
 def default_cache_budget(kv_cache_bytes: int) -> int:
@@ -68,6 +94,7 @@ class NumpyBackend(Backend):
         self.config = c = tinf_file.config
         self.max_context = min(max_context or c["max_context"], c["max_context"])
         self.n_heads, self.n_kv_heads, self.head_dim = c["n_heads"], c["n_kv_heads"], c["head_dim"]
+        check_rope_tables_fit(self.max_context, self.head_dim)
         self.cos, self.sin = ref.rope_tables(self.head_dim, self.max_context, c["rope_theta"], c.get("rope_scaling"))
         # The KV cache [n_layers, positions, n_kv_heads, head_dim] grows on demand up to max_context,
         # so a model with a 128K context does not reserve gigabytes for a short chat.

@@ -12,8 +12,20 @@ from __future__ import annotations
 import re
 
 from tinyinfer.formats import FormatError
+from tinyinfer.formats.errors import shown
 
 REPLACEMENT_CHAR = "\ufffd"
+# What a Rust panic inside `tokenizers` or a C++ error in `sentencepiece` becomes in Python: pyo3's
+# PanicException derives from BaseException, so `except Exception` alone would let it escape.
+EXITS = (KeyboardInterrupt, SystemExit, GeneratorExit)
+
+
+def library_failure(e: BaseException, what: str) -> FormatError:
+    """A project error for an exception out of a tokenizer library (re-raising the ways out)."""
+    if isinstance(e, EXITS):
+        raise e
+    return FormatError(f"The model's tokenizer failed {what} ({type(e).__name__}: {shown(str(e), 120)}); "
+                       "re-convert the checkpoint with a working tokenizer.")
 
 
 class Tokenizer:
@@ -34,23 +46,30 @@ class Tokenizer:
         kind = meta.get("kind")
         common = dict(bos_id=meta.get("bos_id"), eos_ids=meta.get("eos_ids") or [],
                       add_bos=meta.get("add_bos", False), special_tokens=meta.get("special_tokens"))
-        if kind == "hf-json" and meta.get("tokenizer_json"):
+        if kind == "hf-json" and isinstance(meta.get("tokenizer_json"), str) and meta["tokenizer_json"]:
             return HFTokenizer(meta["tokenizer_json"], **common)
-        if kind == "sentencepiece" and meta.get("tokenizer_model"):
+        if kind == "sentencepiece" and isinstance(meta.get("tokenizer_model"), bytes) and meta["tokenizer_model"]:
             return SentencePieceTokenizer(bytes(meta["tokenizer_model"]), **common)
-        raise FormatError(f"The model's tokenizer (kind {kind!r}) is missing or unsupported; "
+        raise FormatError(f"The model's tokenizer (kind {shown(kind)}) is missing or unsupported; "
                           "re-convert the checkpoint with a tokenizer.json or tokenizer.model.")
 
     def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
         """Text -> ids; BOS is prepended when add_bos (default: the model's setting) is true."""
-        ids = self._encode(text)
+        try:
+            ids = self._encode(text)
+        except BaseException as e:
+            raise library_failure(e, "to encode text") from None
         if self.add_bos if add_bos is None else (add_bos and self.bos_id is not None):
             ids = [self.bos_id] + ids
         return ids
 
     def decode(self, ids) -> str:
         """Ids -> text, skipping special tokens and ids the tokenizer does not know (padded vocab)."""
-        return self._decode([int(i) for i in ids if 0 <= int(i) < self.vocab_size])
+        known = [int(i) for i in ids if 0 <= int(i) < self.vocab_size]
+        try:
+            return self._decode(known)
+        except BaseException as e:
+            raise library_failure(e, "to decode ids") from None
 
     def stream(self, prefix_ids=()) -> "StreamDecoder":
         """A streaming detokenizer; prefix_ids (e.g. the prompt) give the context for leading spaces."""
@@ -66,10 +85,17 @@ class HFTokenizer(Tokenizer):
         super().__init__(**common)
         try:
             self.backend = tokenizers.Tokenizer.from_str(tokenizer_json)
-        except Exception as e:
-            raise FormatError(f"The embedded tokenizer.json cannot be parsed ({e}); "
+            # transformers ignores tokenizer.json's truncation and padding unless asked: they would cut
+            # every prompt silently, and absurd values make the library panic.
+            self.backend.no_truncation()
+            self.backend.no_padding()
+            self.vocab_size = self.backend.get_vocab_size(with_added_tokens=True)
+            self.max_id = max(self.backend.get_vocab(with_added_tokens=True).values(), default=-1)
+        except BaseException as e:
+            if isinstance(e, EXITS):
+                raise
+            raise FormatError(f"The embedded tokenizer.json cannot be parsed ({shown(str(e), 120)}); "
                               "re-convert the checkpoint.") from None
-        self.vocab_size = self.backend.get_vocab_size(with_added_tokens=True)
 
     def _encode(self, text):
         return self.backend.encode(text, add_special_tokens=False).ids
@@ -88,10 +114,13 @@ class SentencePieceTokenizer(Tokenizer):
         self.backend = sentencepiece.SentencePieceProcessor()
         try:
             self.backend.LoadFromSerializedProto(model_proto)
-        except Exception as e:
-            raise FormatError(f"The embedded tokenizer.model cannot be parsed ({e}); "
+        except BaseException as e:
+            if isinstance(e, EXITS):
+                raise
+            raise FormatError(f"The embedded tokenizer.model cannot be parsed ({shown(str(e), 120)}); "
                               "re-convert the checkpoint.") from None
         self.vocab_size = self.backend.get_piece_size()
+        self.max_id = self.vocab_size - 1
         # Control pieces typed in text (e.g. "<s>" written by a chat template) become their ids, as
         # tokenizer.json's added tokens do; SentencePiece alone would spell them out as characters.
         sp = self.backend

@@ -39,7 +39,21 @@ def cupy_gpu():
         pytest.skip("needs an NVIDIA GPU and CuPy")
     import cupy
 
+    if os.environ.get("TINYINFER_CUPY_POOL") == "0":
+        # Every array its own cudaMalloc, so compute-sanitizer memcheck sees an access past one: a
+        # memory pool would hand out neighbouring blocks of one allocation instead.
+        cupy.cuda.set_allocator(None)
     return cupy
+
+
+def pytest_addoption(parser):
+    parser.addoption("--long", action="store_true",
+                     help="run the long adversarial suite (100,000 fuzz mutants; also TINYINFER_FUZZ_CASES=N)")
+
+
+@pytest.fixture(scope="session")
+def long_run(request) -> bool:
+    return bool(request.config.getoption("--long"))
 
 
 def pytest_collection_modifyitems(config, items):

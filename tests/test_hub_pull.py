@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from fake_hub import WRITE_TOKEN, FakeHub, closed_port_url, hub_env, write_cached_repo  # noqa: E402
-from tinf_samples import write_runnable_tinf, write_tiny_tinf  # noqa: E402
+from tinf_samples import flip_byte, write_runnable_tinf, write_tiny_tinf  # noqa: E402
 from tinyinfer.runtime.hub import HubError, HubRef, parse_ref  # noqa: E402
 
 COMMIT = "a" * 40
@@ -289,3 +289,21 @@ def test_tinyrun_tune_refuses_to_rewrite_the_hub_cache(tmp_path):
     assert result.returncode == 1 and "Traceback" not in result.stderr
     assert "is inside the Hugging Face cache, which must not be modified" in result.stderr
     assert (snapshot / "r.tinf").read_bytes() == data
+
+
+def test_a_download_is_checked_once_before_use_and_a_corrupt_one_removed(hub, tmp_path):
+    good = write_tiny_tinf(tmp_path / "good.tinf")
+    bad = write_tiny_tinf(tmp_path / "bad.tinf", seed=1)
+    flip_byte(bad, "norm", 10)
+    hub.add_repo("org/good", {"m.tinf": good.read_bytes()})
+    hub.add_repo("org/bad", {"m.tinf": bad.read_bytes()})
+    env = hub_env(tmp_path / "hf", endpoint=hub.url)
+    results = resolve(env, ["org/good", "org/bad"])
+    assert results["org/bad"]["error"] == "IntegrityError"
+    assert "(norm)" in results["org/bad"]["message"] and "removed from the cache" in results["org/bad"]["message"]
+    assert not list((tmp_path / "hf" / "hub" / "models--org--bad" / "blobs").iterdir())
+    # Once in the cache, a file is not read through again: a later run starts at once (tinyrun info
+    # --check is there for files that may have changed since).
+    cached = Path(results["org/good"]["path"])
+    flip_byte(cached.resolve(), "norm", 10)
+    assert resolve(env, ["org/good"])["org/good"] == {"path": str(cached)}

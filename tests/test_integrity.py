@@ -2,25 +2,11 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
-from tinf_samples import TENSORS, write_runnable_tinf, write_tiny_tinf  # noqa: E402
+from tinf_samples import TENSORS, flip_byte, write_runnable_tinf, write_tiny_tinf  # noqa: E402
 from tinyinfer.formats import FormatError, open_tinf  # noqa: E402
 from tinyinfer.runtime.integrity import IntegrityError, check_file, corrupt_tensors  # noqa: E402
-
-
-def flip_byte(path: Path, tensor: str, at: int) -> None:
-    """Invert one byte `at` bytes into `tensor`'s data (negative: from its end)."""
-    with open_tinf(path) as f:
-        info = f.info(tensor)
-        offset = f.data_offset + info.offset + (at % info.nbytes)
-    with open(path, "r+b") as out:
-        out.seek(offset)
-        byte = out.read(1)[0]
-        out.seek(offset)
-        out.write(bytes([byte ^ 0xFF]))
 
 
 @pytest.fixture

@@ -71,3 +71,17 @@ def device_bytes(tensor, shape) -> np.ndarray:
     if shape.blocked:
         layout.block_in_place(raw, shape)
     return raw
+
+
+def flip_byte(path: Path, tensor: str, at: int) -> None:
+    """Invert one byte `at` bytes into `tensor`'s data (negative: from its end)."""
+    from tinyinfer.formats import open_tinf
+
+    with open_tinf(path) as f:
+        info = f.info(tensor)
+        offset = f.data_offset + info.offset + (at % info.nbytes)
+    with open(path, "r+b") as out:
+        out.seek(offset)
+        byte = out.read(1)[0]
+        out.seek(offset)
+        out.write(bytes([byte ^ 0xFF]))
