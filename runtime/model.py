@@ -222,6 +222,8 @@ class Model:
         ids = [self.prompt_ids(p, chat, system, **template_kwargs) for p in prompts]
         if not all(ids):
             raise ValueError("a prompt is empty and the model has no BOS token; pass some text.")
+        for prompt_ids in ids:
+            check_token_ids(prompt_ids, self.config["vocab_size"])
         params = self.sampling_params(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                                       repetition_penalty=repetition_penalty)
         budgets = [self.new_token_budget(len(i), max_tokens) for i in ids]
@@ -271,7 +273,7 @@ class Model:
         cancelled() is asked after every token; once it says True the stream ends there (stop_reason
         "cancelled") with the cache as consistent as after any other stop."""
         ids = [int(i) for i in ids]
-        self.check_ids(np.asarray(ids, dtype=np.int64))
+        check_token_ids(ids, self.config["vocab_size"])
         n_new = self.new_token_budget(len(ids), max_tokens)
         return self._stream(ids, params, n_new, np.random.default_rng(seed), StopStrings(stop), cancelled)
 

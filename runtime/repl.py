@@ -166,7 +166,7 @@ class Chat:
                 chunks = self.model.generate(self.messages(), chat=True, **self.options)
                 for chunk in chunks:
                     text.append(chunk)
-                    sys.stdout.write(chunk)
+                    sys.stdout.write(on_screen(chunk))
                     sys.stdout.flush()
                     if stopped.is_set():
                         break     # the reply stops here; what was written is kept below
@@ -301,3 +301,13 @@ def ctrl_c_as_flag():
         yield stopped
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+# Control characters in a reply (C0 but tab and newline, DEL, C1) are shown as U+FFFD: a model's output
+# is untrusted, and an escape sequence written raw to the terminal could move the cursor, rewrite what
+# is shown or set the window title.
+CONTROL_CHARS = {c: "\ufffd" for c in [*range(0x20), *range(0x7F, 0xA0)] if chr(c) not in "\t\n"}
+
+
+def on_screen(text: str) -> str:
+    return text.translate(CONTROL_CHARS)

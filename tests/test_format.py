@@ -88,7 +88,8 @@ def test_plain_q4_scales_follow_q4_0s_rule():
 @pytest.mark.parametrize("encoding", ["q8", "q4"])
 def test_scale_search_beats_plain_scales(encoding):
     rng = np.random.default_rng()
-    w = (rng.standard_t(4, (64, 256)) * 0.02).astype(np.float32)  # heavy tails, like real weights
+    # heavy tails, like real weights; 2,048 groups, so the q4 ratio (0.934-0.942 over 40 seeds) stays clear
+    w = (rng.standard_t(4, (512, 256)) * 0.02).astype(np.float32)
     plain = encode(w, encoding, 64, scale_search=False).to_float32()
     searched = encode(w, encoding, 64, scale_search=True).to_float32()
     err_plain = ((plain - w) ** 2).reshape(-1, 64).sum(1)

@@ -110,3 +110,10 @@ def test_overflow_names_num_predict_or_the_conversation(model_path, capsys, monk
     code, _, err = chat(model_path, capsys, monkeypatch, ["word " * 60, "/bye"], "-c", "32")
     assert "The conversation is" in err and "leaves no room in the context of 32 tokens" in err
     assert "/clear starts a new conversation, or restart with a larger -c (the model allows 128)" in err
+
+
+def test_control_characters_of_a_reply_are_shown_inert():
+    from tinyinfer.runtime.repl import on_screen
+
+    assert on_screen("a\x1b[2Jb\tc\nd\x07\x9b") == "a\ufffd[2Jb\tc\nd\ufffd\ufffd"
+    assert on_screen("naïve — 東京") == "naïve — 東京"
