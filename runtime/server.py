@@ -525,3 +525,6 @@ def serve(path, names: tuple[str, ...], host: str, port: int, ctx_size: int | No
         error = engine.load_error
         raise error if isinstance(error, TinyInferError) else TinyInferError(
             f"The model failed to load ({type(error).__name__}: {error}).")
+    # A server whose model loaded stops only on a signal; uvicorn re-raises it on the way out, but not
+    # always as KeyboardInterrupt, so Ctrl-C ends with tinyrun's exit code for it (130) every time.
+    raise KeyboardInterrupt
