@@ -247,54 +247,84 @@ TI_DEVICE float slice_sum(const float* parts, int n_slices, size_t slice_stride,
     return total;
 }
 
-#define BR_ELEMS 8          // elements of a row per batch_rmsnorm thread: dim <= 8 * blockDim.x
+#define BR_THREADS 1024    // batch_rmsnorm's largest block
+#define BR_SLICE_LOADS 8    // 16-byte loads of the slices each thread has in flight at once
 
-// Row b (grid (B), block min(1024, dim) rounded to warps): x[b] += the slices of parts (n_slices = 0:
-// none), then out[b] = rms_norm(x[b]) * w as fp16. Each thread holds its BR_ELEMS elements in
-// registers and adds every slice to all of them before it stores anything, so its loads of one
-// slice (and, unrolled, of several) are in flight together. parts: [n_slices][slice_stride / dim][dim].
-extern "C" __global__ void __launch_bounds__(1024) batch_rmsnorm(
-    float* x, const float* parts, int n_slices, long long slice_stride,
-    const float* __restrict__ w, int dim, float eps, __half* out, int ldo)
+// Row b: x[b] += the slices of parts (n_slices = 0: none), then out[b] = rms_norm(x[b]) * w as fp16.
+// A thread holds VECS float4 of the row (elements 4 c .. 4 c + 3, c = threadIdx.x + e * blockDim.x)
+// and loads BR_SLICE_LOADS / VECS slices' pieces into registers of their own before it adds any: with
+// one accumulator per element the loads of consecutive slices had waited on each other's adds, one
+// round trip per slice (~14 us a launch). dim a multiple of 4; parts: [n_slices][slice_stride / dim][dim].
+template <int VECS>
+TI_DEVICE void rmsnorm_row(float* x, const float* parts, int n_slices, long long slice_stride,
+                           const float* __restrict__ w, int dim, float eps, __half* out, int ldo)
 {
+    constexpr int SLICES = BR_SLICE_LOADS / VECS;
     __shared__ float scratch[32];
     pdl_launch_dependents();
     pdl_wait();
-    const int b = blockIdx.x;
-    float* row = x + (size_t)b * dim;
-    const float* row_parts = parts + (size_t)b * dim;
-    float v[BR_ELEMS], added[BR_ELEMS];
+    const int b = blockIdx.x, n_vec = dim >> 2;
+    float4* row = reinterpret_cast<float4*>(x + (size_t)b * dim);
+    const float4* row_parts = reinterpret_cast<const float4*>(parts + (size_t)b * dim);
+    const size_t vec_stride = (size_t)slice_stride >> 2;
+    float4 v[VECS];
 #pragma unroll
-    for (int e = 0; e < BR_ELEMS; ++e) {
-        const int k = threadIdx.x + e * blockDim.x;
-        v[e] = k < dim ? row[k] : 0.f;
-        added[e] = 0.f;
+    for (int e = 0; e < VECS; ++e) {
+        const int c = threadIdx.x + e * blockDim.x;
+        v[e] = c < n_vec ? row[c] : make_float4(0.f, 0.f, 0.f, 0.f);
     }
-#pragma unroll 8
-    for (int s = 0; s < n_slices; ++s) {
-        const float* slice = row_parts + (size_t)s * slice_stride;
+    // The loads take clamped indices and no predicate (a slice past the last, or a piece past the
+    // row, reads a valid one and is not added), so that ptxas issues them all before the adds.
+    for (int s0 = 0; s0 < n_slices; s0 += SLICES) {
+        float4 t[SLICES][VECS];
 #pragma unroll
-        for (int e = 0; e < BR_ELEMS; ++e) {
-            const int k = threadIdx.x + e * blockDim.x;
-            if (k < dim) added[e] += slice[k];
-        }
+        for (int j = 0; j < SLICES; ++j)
+#pragma unroll
+            for (int e = 0; e < VECS; ++e) {
+                const int c = min(threadIdx.x + e * blockDim.x, n_vec - 1), slice = min(s0 + j, n_slices - 1);
+                t[j][e] = row_parts[(size_t)slice * vec_stride + c];
+            }
+#pragma unroll
+        for (int j = 0; j < SLICES; ++j)                  // slice order: the sums do not depend on SLICES
+#pragma unroll
+            for (int e = 0; e < VECS; ++e)
+                if (s0 + j < n_slices && threadIdx.x + e * blockDim.x < n_vec) {
+                    v[e].x += t[j][e].x; v[e].y += t[j][e].y; v[e].z += t[j][e].z; v[e].w += t[j][e].w;
+                }
     }
     float ss = 0.f;
 #pragma unroll
-    for (int e = 0; e < BR_ELEMS; ++e) {
-        const int k = threadIdx.x + e * blockDim.x;
-        if (n_slices > 0) {
-            v[e] += added[e];
-            if (k < dim) row[k] = v[e];
-        }
-        ss += v[e] * v[e];
+    for (int e = 0; e < VECS; ++e) {
+        const int c = threadIdx.x + e * blockDim.x;
+        if (n_slices > 0 && c < n_vec) row[c] = v[e];
+        ss += v[e].x * v[e].x + v[e].y * v[e].y + v[e].z * v[e].z + v[e].w * v[e].w;
     }
     const float factor = rsqrtf(block_sum(ss, scratch) / (float)dim + eps);
 #pragma unroll
-    for (int e = 0; e < BR_ELEMS; ++e) {
-        const int k = threadIdx.x + e * blockDim.x;
-        if (k < dim) out[(size_t)b * ldo + k] = __float2half_rn(v[e] * factor * w[k]);
+    for (int e = 0; e < VECS; ++e) {
+        const int c = threadIdx.x + e * blockDim.x;
+        if (c >= n_vec) continue;
+        const float f[4] = {v[e].x, v[e].y, v[e].z, v[e].w};
+        __half* o = out + (size_t)b * ldo + 4 * c;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) o[i] = __float2half_rn(f[i] * factor * w[4 * c + i]);
     }
+}
+
+// Grid (B), block dim / 4 rounded up to warps (rows up to 4 * BR_THREADS elements).
+extern "C" __global__ void __launch_bounds__(BR_THREADS) batch_rmsnorm(
+    float* x, const float* parts, int n_slices, long long slice_stride,
+    const float* __restrict__ w, int dim, float eps, __half* out, int ldo)
+{
+    rmsnorm_row<1>(x, parts, n_slices, slice_stride, w, dim, eps, out, ldo);
+}
+
+// Grid (B), block dim / 8 rounded up to warps (rows up to 8 * BR_THREADS elements).
+extern "C" __global__ void __launch_bounds__(BR_THREADS) batch_rmsnorm_wide(
+    float* x, const float* parts, int n_slices, long long slice_stride,
+    const float* __restrict__ w, int dim, float eps, __half* out, int ldo)
+{
+    rmsnorm_row<2>(x, parts, n_slices, slice_stride, w, dim, eps, out, ldo);
 }
 
 // One head of row b per block (grid (B, n_heads + n_kv), block hd / 2 rounded to warps; thread d
@@ -364,7 +394,7 @@ TI_DEVICE void unpack_halves8(uint4 raw, float (&f)[8]) {
 // the whole block; p . V: each lane adds p times its piece of V rows into 8 columns per head, the
 // lane groups of a warp are added by shuffles and the warps in shared memory, in a fixed order.
 // Dynamic shared memory: floats group * max_keys (scores) + BA_WARPS * group * hd (p . V of warps).
-extern "C" __global__ void __launch_bounds__(BA_WARPS * 32) batch_attention(
+extern "C" __global__ void __launch_bounds__(BA_WARPS * 32, 2) batch_attention(
     const float* q, const __half* k_cache, const __half* v_cache,
     long long slot_stride, const int* __restrict__ positions, const int* __restrict__ slots,
     int n_heads, int n_kv, int hd, int window, int max_keys, __half* out, int ldo)
@@ -372,8 +402,6 @@ extern "C" __global__ void __launch_bounds__(BA_WARPS * 32) batch_attention(
     extern __shared__ __align__(16) float ba_smem[];
     __shared__ float warp_best[BA_MAX_GROUP][BA_WARPS];
     __shared__ float warp_total[BA_MAX_GROUP][BA_WARPS];
-    pdl_launch_dependents();
-    pdl_wait();
     const int kvh = blockIdx.x, b = blockIdx.y;
     const int group = n_heads / n_kv;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -385,7 +413,7 @@ extern "C" __global__ void __launch_bounds__(BA_WARPS * 32) batch_attention(
     const bool has_piece = piece < pieces;
     const int keys_per_round = BA_WARPS * keys_per_warp;     // one piece of a row per lane
     const int my_key = warp * keys_per_warp + sub;           // the lane's key in each round
-    const int pos = positions[b];
+    const int pos = positions[b];                             // (the row table: written by the host)
     const int first = window > 0 ? max(0, pos - window + 1) : 0;
     const int n_keys = pos - first + 1;
     float* scores = ba_smem;                                  // [group][max_keys]
@@ -402,6 +430,28 @@ extern "C" __global__ void __launch_bounds__(BA_WARPS * 32) batch_attention(
             const int key = start + u * keys_per_round + my_key;
             raw[u] = has_piece && key < n_keys ? *reinterpret_cast<const uint4*>(rows + (size_t)key * row_stride)
                                                : make_uint4(0u, 0u, 0u, 0u);
+        }
+    };
+    // The first pass of K rows is prefetched into L1 before the wait, while the kernels before this
+    // one still run: rows before the last were written by earlier steps or by prefill and stay as
+    // they are for the whole step; the last, this step's from batch_rope_store, is not prefetched and
+    // is read after the wait from L2 (__ldcg). A prefetch holds no registers (loads into registers
+    // here spilled at two blocks per SM).
+#pragma unroll
+    for (int u = 0; u < BA_UNROLL; ++u) {
+        const int key = u * keys_per_round + my_key;
+        if (has_piece && key < n_keys - 1)
+            asm volatile("prefetch.global.L1 [%0];" :: "l"(k_rows + (size_t)key * row_stride));
+    }
+    pdl_launch_dependents();
+    pdl_wait();
+    auto load_first_pass = [&](uint4 (&raw)[BA_UNROLL]) {
+#pragma unroll
+        for (int u = 0; u < BA_UNROLL; ++u) {
+            const int key = u * keys_per_round + my_key;
+            const uint4* at = reinterpret_cast<const uint4*>(k_rows + (size_t)key * row_stride);
+            raw[u] = !has_piece || key >= n_keys ? make_uint4(0u, 0u, 0u, 0u)
+                     : key == n_keys - 1         ? __ldcg(at) : __ldg(at);
         }
     };
 
@@ -423,7 +473,8 @@ extern "C" __global__ void __launch_bounds__(BA_WARPS * 32) batch_attention(
     for (int g = 0; g < BA_MAX_GROUP; ++g) best[g] = -TI_INF;
     for (int start = 0; start < n_keys; start += BA_UNROLL * keys_per_round) {
         uint4 raw[BA_UNROLL];
-        load_pass(k_rows, start, raw);
+        if (start == 0) load_first_pass(raw);
+        else load_pass(k_rows, start, raw);
 #pragma unroll
         for (int u = 0; u < BA_UNROLL; ++u) {
             const int key = start + u * keys_per_round + my_key;

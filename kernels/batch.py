@@ -30,9 +30,9 @@ ATTENTION_UNROLL = 4         # BA_UNROLL: key rows in flight per lane
 MAX_GROUP = 8                # BA_MAX_GROUP: query heads per KV head
 MAX_SHARED_BYTES = 227 << 10  # a block's opt-in shared memory on Hopper, where the device does not say
 MAX_ROWS = 32
-RMSNORM_ELEMS = 8            # BR_ELEMS: row elements per batch_rmsnorm thread
-RMSNORM_THREADS = 1024
-MAX_DIM = RMSNORM_ELEMS * RMSNORM_THREADS
+RMSNORM_THREADS = 1024       # BR_THREADS: batch_rmsnorm's largest block
+RMSNORM_VEC = 4              # row elements per float4 of a batch_rmsnorm thread
+MAX_DIM = 2 * RMSNORM_VEC * RMSNORM_THREADS     # batch_rmsnorm_wide: two float4 per thread
 ROPE_THREADS = 64            # batch_rope_store's launch bound: a thread per pair of columns
 MAX_HEAD_DIM = 2 * ROPE_THREADS
 
@@ -146,11 +146,13 @@ def slice_args(parts, plan: GemvPlan | None):
 
 
 def make_rmsnorm(mod, n_rows: int, x, parts, plan, weight, dim: int, eps: float, out, ldo: int) -> Launch:
-    if dim > MAX_DIM:
-        raise ValueError(f"batch_rmsnorm takes rows of up to {MAX_DIM} elements")
+    if dim > MAX_DIM or dim % RMSNORM_VEC:
+        raise ValueError(f"batch_rmsnorm takes rows of up to {MAX_DIM} elements, a multiple of {RMSNORM_VEC}")
     p, s, stride = slice_args(parts, plan)
-    threads = min(RMSNORM_THREADS, warps_of(dim))
-    return Launch("batch_rmsnorm", mod.get_function("batch_rmsnorm"), (n_rows,), (threads,), (
+    vecs = 1 if dim <= RMSNORM_VEC * RMSNORM_THREADS else 2
+    name = "batch_rmsnorm" if vecs == 1 else "batch_rmsnorm_wide"
+    threads = warps_of(-(-dim // (RMSNORM_VEC * vecs)))
+    return Launch(name, mod.get_function(name), (n_rows,), (threads,), (
         x, p, s, stride, weight, np.int32(dim), np.float32(eps), out, np.int32(ldo)), waits=True)
 
 

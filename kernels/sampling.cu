@@ -11,6 +11,34 @@
 // min-p -> inverse-CDF draw in ascending id order with the host-drawn uniform u for this step.
 // Only the order of floating-point summation differs from NumPy's, so a different token needs a
 // draw within ~1e-15 of a cumulative boundary.
+//
+// Both kernels run those steps through one device function, sample_row (one block, one row):
+//
+//   sample_token   batch-1 decode: one block; the history is a [vocab] byte set kept by the kernel,
+//                  u is uniforms[state[STEP]]; it feeds the token back and embeds it (above).
+//   batch_sample   batched decode (runtime/cuda_batch.py), the last kernel of the step: grid (rows),
+//                  block b samples row b. Its arguments, rows = the step's bucket:
+//                    logits    float  [rows][vocab]     batch_logits' output
+//                    best      int    [rows]            batch_logits' argmax, or null
+//                    params    double [rows][P_COUNT]   each row as sample_token's params
+//                    uniforms  double [rows]            each row's u for this step
+//                    positions int    [rows]            the row table's positions and slots:
+//                    slots     int    [rows]            row b's history is history[slots[b]][0 .. positions[b]]
+//                    history   int    [slots][max_context]  a slot's ids by position, prompt then generated
+//                    xs        double [rows][vocab]     scratch
+//                    tokens    int    [rows]            out
+//                  Plain greedy rows (temperature 0, penalty 1) take best[b] when best is given, else
+//                  scan; a penalised row first builds its history's id set as a bitmap in dynamic
+//                  shared memory ((vocab + 31) / 32 words). Thread 0 writes tokens[b] and appends
+//                  the token to the history at positions[b] + 1 (when < max_context), so the
+//                  host writes only a prompt's ids, at submit. Rows of a step have distinct slots
+//                  (padding rows, greedy, share the spare one and read no history).
+//
+// Programmatic dependent launch: both wait (pdl_wait) before reading anything and never call
+// pdl_launch_dependents, so whatever follows starts only once the token is written. For
+// sample_token that orders the next step's kernels after its state update (runtime/README.md, "The
+// decode step"); batch_sample ends the batched step, whose tokens and history the host (a D2H copy)
+// and the next step read, and an early trigger would let nothing useful overlap it.
 #include "common.cuh"
 
 #define SAMPLE_THREADS 1024
@@ -135,29 +163,16 @@ __device__ double kth_largest(const double* xs, int n, int k, u32* hist, u64* sh
     return __longlong_as_double((long long)bits);
 }
 
-extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_token(
-    const float* __restrict__ logits, int vocab,
-    const double* __restrict__ params,     // [P_COUNT]: temperature, top_p, min_p, penalty, top_k
-    const double* __restrict__ uniforms,   // [n] one draw per generated token, indexed by state[STEP]
-    int n_uniforms,
-    unsigned char* __restrict__ seen,      // [vocab] history set for the repetition penalty
-    double* __restrict__ xs,               // [vocab] scratch
-    int* __restrict__ state,
-    int* __restrict__ out_tokens, int out_cap,  // [out_cap] by step; may be pinned host memory
-    const void* __restrict__ emb_table, int emb_encoding, int emb_cols_pad, int dim,
-    float* __restrict__ x,                 // the next step's input: the embedding of the chosen token
-    long long* __restrict__ pending,       // the residual in fixed point (mlp.cu), set with x; or null
-    u64* __restrict__ head_best)           // the output head's argmax key (common.cuh argmax_key); or null
+// One row's token, by one block (every thread returns it): sample()'s steps over logits[0..vocab)
+// with params [P_COUNT]. seen(i): whether id i is in the history (read only with a repetition
+// penalty); draw(): the row's uniform u (read only when sampling); xs: [vocab] float64 scratch;
+// known: the greedy argmax where something before already found it (the output head's fold,
+// batch_logits' best), else -1 (then plain greedy scans the logits).
+template <typename Seen, typename Draw>
+__device__ __forceinline__ int sample_row(const float* __restrict__ logits, int vocab,
+                                          const double* __restrict__ params, Seen seen, Draw draw,
+                                          double* __restrict__ xs, int known)
 {
-    TI_PROBE;
-    pdl_wait();                            // logits come from the output GEMV
-    TI_MARK(1);
-    __shared__ u64 best_key;
-    if (threadIdx.x == 0) {
-        best_key = head_best != nullptr ? __ldcg(head_best) : 0ull;
-        if (head_best != nullptr) *head_best = 0ull;   // empty for the next step's head
-    }
-    __syncthreads();
     __shared__ double scratch_d[32];
     __shared__ ArgBest scratch_a[32];
     __shared__ u32 hist[256];
@@ -175,9 +190,9 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_token(
     // 1. repetition penalty, 2. greedy, 3. temperature (values kept in xs for later passes).
     ArgBest best = {-TI_INF, 0x7fffffff};
     const bool greedy = temperature == 0.0 && !penalise;
-    const bool folded = greedy && best_key != 0ull;   // the head's fold holds the token
+    const bool folded = greedy && known >= 0;          // the head's fold (or the batch's argmax) holds it
     if (folded) {
-        best.index = argmax_key_row(best_key);   // the head's fold: no pass over the logits
+        best.index = known;                      // no pass over the logits
     } else if (greedy && (vocab & 3) == 0) {
         // Plain greedy: an argmax with 16-byte loads, eight in flight per thread, compared as
         // float (exactly as in double, without a conversion per logit); a thread visits its ids in
@@ -212,7 +227,7 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_token(
     } else {
         for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
             double x = (double)logits[i];
-            if (penalise && seen[i]) x = x > 0.0 ? x / penalty : x * penalty;
+            if (penalise && seen(i)) x = x > 0.0 ? x / penalty : x * penalty;
             if (temperature > 0.0) {
                 x = x / temperature;
                 xs[i] = x;
@@ -320,7 +335,7 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_token(
         for (int i = lo; i < hi; ++i)
             if (kept(xs[i], i, cut)) local += prob_of(xs[i], cut) / total;
         const double start = block_exclusive_f64(local, scratch_d);
-        const double u = uniforms[min(state[STATE_STEP], n_uniforms - 1)];
+        const double u = draw();
         ArgBest pick = {-TI_INF, 0};                  // value -id: the lowest id whose cumulative exceeds u
         ArgBest fallback = {-1.0, 0};                   // value id: the last kept id
         if (last_kept >= 0) fallback.value = (double)last_kept;
@@ -340,15 +355,85 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_token(
         token = pick.value > -TI_INF ? (int)(-pick.value) : (int)fallback.value;
         if (token < 0) token = best.index;              // nothing kept cannot happen; stay defined
     }
+    return token;
+}
+
+extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_token(
+    const float* __restrict__ logits, int vocab,
+    const double* __restrict__ params,     // [P_COUNT]: temperature, top_p, min_p, penalty, top_k
+    const double* __restrict__ uniforms,   // [n] one draw per generated token, indexed by state[STEP]
+    int n_uniforms,
+    unsigned char* __restrict__ seen,      // [vocab] history set for the repetition penalty
+    double* __restrict__ xs,               // [vocab] scratch
+    int* __restrict__ state,
+    int* __restrict__ out_tokens, int out_cap,  // [out_cap] by step; may be pinned host memory
+    const void* __restrict__ emb_table, int emb_encoding, int emb_cols_pad, int dim,
+    float* __restrict__ x,                 // the next step's input: the embedding of the chosen token
+    long long* __restrict__ pending,       // the residual in fixed point (mlp.cu), set with x; or null
+    u64* __restrict__ head_best)           // the output head's argmax key (common.cuh argmax_key); or null
+{
+    TI_PROBE;
+    pdl_wait();                            // logits come from the output GEMV
+    TI_MARK(1);
+    __shared__ u64 best_key;
+    if (threadIdx.x == 0) {
+        best_key = head_best != nullptr ? __ldcg(head_best) : 0ull;
+        if (head_best != nullptr) *head_best = 0ull;   // empty for the next step's head
+    }
+    __syncthreads();
+    const int token = sample_row(logits, vocab, params, [&](int i) { return seen[i] != 0; },
+                                 [&] { return uniforms[min(state[STATE_STEP], n_uniforms - 1)]; }, xs,
+                                 best_key != 0ull ? argmax_key_row(best_key) : -1);
     if (threadIdx.x == 0) {
         const int step = state[STATE_STEP];
         state[STATE_TOKEN] = token;
         if (step < out_cap) out_tokens[step] = token;
         state[STATE_STEP] = step + 1;
         state[STATE_POS] += 1;
-        if (penalise) seen[token] = 1;
+        if (params[P_PENALTY] != 1.0) seen[token] = 1;
     }
     // The next decode step starts from this token's embedding (no separate embedding launch).
     const size_t row = (size_t)token * emb_cols_pad;
     for (int k = threadIdx.x; k < dim; k += blockDim.x) store_embedding(emb_table, emb_encoding, row, k, x, pending);
+}
+
+// Row b of a batched decode step per block (the layout of its arguments: the top of this file).
+extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) batch_sample(
+    const float* logits, int vocab,        // [rows][vocab] (batch_logits)
+    const int* best,                       // [rows] batch_logits' argmax, or null: greedy rows scan
+    const double* params,                  // [rows][P_COUNT] as sample_token's
+    const double* uniforms,                // [rows] this step's draw per row
+    const int* positions, const int* slots,  // [rows] the row table's: history length positions[b] + 1
+    int* history, int max_context,         // [slots][max_context] ids by position (prompt, generated)
+    double* xs,                            // [rows][vocab] scratch
+    int* tokens)                           // [rows] out
+{
+    extern __shared__ u32 seen_bits[];
+    TI_PROBE;
+    pdl_wait();                            // logits and best come from batch_logits
+    TI_MARK(1);
+    const int b = blockIdx.x;
+    const double* row_params = params + (size_t)b * P_COUNT;
+    const int pos = positions[b];
+    int* row_history = history + (size_t)slots[b] * max_context;
+    const bool penalise = row_params[P_PENALTY] != 1.0;
+    const bool plain = row_params[P_TEMPERATURE] == 0.0 && !penalise;
+    if (penalise) {                        // the set of ids in history[0 .. pos]
+        const int words = (vocab + 31) >> 5, n = min(pos + 1, max_context);
+        for (int w = threadIdx.x; w < words; w += blockDim.x) seen_bits[w] = 0u;
+        __syncthreads();
+        for (int i = threadIdx.x; i < n; i += blockDim.x) {
+            const int id = row_history[i];
+            if (id >= 0 && id < vocab) atomicOr(&seen_bits[id >> 5], 1u << (id & 31));
+        }
+        __syncthreads();
+    }
+    const int token = sample_row(logits + (size_t)b * vocab, vocab, row_params,
+                                 [&](int i) { return ((seen_bits[i >> 5] >> (i & 31)) & 1u) != 0u; },
+                                 [&] { return uniforms[b]; }, xs + (size_t)b * vocab,
+                                 plain && best != nullptr ? best[b] : -1);
+    if (threadIdx.x == 0) {
+        tokens[b] = token;
+        if (pos + 1 < max_context) row_history[pos + 1] = token;
+    }
 }

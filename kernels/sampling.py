@@ -47,3 +47,21 @@ def make_sampler(mod, vocab: int, logits, params, uniforms, seen, scratch, state
             np.int32(embedding_cols_pad), np.int32(x.size), x, pending if pending is not None else np.uint64(0),
             head_best if head_best is not None else np.uint64(0))
     return Launch("sample+embed", kernel, (1,), (THREADS,), args, 0, bytes_read=4 * vocab, waits=True)
+
+
+def batch_seen_words(vocab: int) -> int:
+    """32-bit words of batch_sample's history bitmap (its dynamic shared memory)."""
+    return -(-vocab // 32)
+
+
+def make_batch_sample(mod, n_rows: int, vocab: int, logits, best, params, uniforms, positions, slots, history,
+                      max_context: int, scratch, tokens) -> Launch:
+    """Row b's token of a batched step into tokens[b] (and its slot's history at positions[b] + 1): the
+    same sample() as make_sampler's, with row b's params[b] (params_array layout), uniforms[b] and the
+    history history[slots[b]][: positions[b] + 1] (sampling.cu's header has the layout). best: the
+    rows' greedy argmax (batch_logits) for plain greedy rows to take, or None to scan. scratch:
+    float64 [n_rows][vocab] or more. Launched early after batch_logits, it waits before any read."""
+    return Launch("batch_sample", mod.get_function("batch_sample"), (n_rows,), (THREADS,), (
+        logits, np.int32(vocab), best if best is not None else np.uint64(0), params, uniforms, positions, slots,
+        history, np.int32(max_context), scratch, tokens), shared_mem=4 * batch_seen_words(vocab),
+        bytes_read=4 * vocab * n_rows, waits=True)

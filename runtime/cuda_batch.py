@@ -11,7 +11,7 @@ its RoPE tables, its stream and its prefill kernels. What it adds:
         embed -> per layer [ rmsnorm (+= previous down) -> GEMV qkv -> rope + KV store
                              -> attention (each row over its own slot) -> GEMV o
                              -> rmsnorm (+= o) -> GEMV gate/up -> swiglu -> GEMV down ]
-              -> rmsnorm (+= down) -> GEMV output -> logits + greedy argmax per row
+              -> rmsnorm (+= down) -> GEMV output -> logits + greedy argmax per row -> sample per row
 
     (q4, q8 or f16 linears: kernels/batch.cu; the kernels launched early, as in the batch-1 step);
   - scheduling: submit() puts a prompt in a free slot, each step() first prefills up to one chunk
@@ -19,10 +19,13 @@ its RoPE tables, its stream and its prefill kernels. What it adds:
     every sequence whose prompt is in; a sequence leaves at its stop token, its token budget, or
     cancel(), and its slot is free for the next submit() at once.
 
-Sampling: plain greedy rows (temperature 0, no repetition penalty) take the device's argmax; other
-rows are sampled on the host from their logits row by runtime.sampling.sample, the one definition.
-Each generated token draws one rng.random(), as Backend.generate_ids does, so a seed gives the same
-tokens in a batch as alone (up to the logits' rounding).
+Sampling on the device (kernels/sampling.cu batch_sample, the step's last kernel): plain greedy rows
+(temperature 0, no repetition penalty) take batch_logits' argmax; the others run sampling.sample()'s
+steps with their own parameters and u, uploaded with the row table, and their slot's history, which
+the host writes at submit (the prompt) and the kernel extends by each token it picks. Each generated
+token draws one rng.random() before its step, as Backend.generate_ids does, so a seed gives the same
+tokens in a batch as alone (up to the logits' rounding). The logits stay on the device (keep_logits
+copies them, for tests).
 """
 
 from __future__ import annotations
@@ -35,11 +38,12 @@ import numpy as np
 from tinyinfer.formats.quant import scale_offset
 from tinyinfer.kernels import batch as batch_k
 from tinyinfer.kernels import gemv as gemv_k
+from tinyinfer.kernels import sampling as sample_k
 from tinyinfer.kernels.build import Launch
 from tinyinfer.kernels.misc import EMBEDDING_ID
 from tinyinfer.runtime import cuda_prefill
 from tinyinfer.runtime.errors import ContextOverflowError, DeviceError, SlotsFullError
-from tinyinfer.runtime.sampling import SamplingParams, sample
+from tinyinfer.runtime.sampling import SamplingParams
 from tinyinfer.runtime.weights_upload import pinned_empty
 
 BUCKETS = (1, 2, 4, 8, 16, 32)     # batch sizes with their own graph
@@ -79,10 +83,6 @@ class Sequence:
     def token(self) -> int:
         return int(self.generated[-1]) if self.generated else int(self.prompt[-1])
 
-    @property
-    def device_greedy(self) -> bool:
-        return self.params.greedy and self.params.repetition_penalty == 1.0
-
 
 @dataclass(frozen=True)
 class TokenEvent:
@@ -116,9 +116,9 @@ def check_model(tinf) -> None:
         raise DeviceError(f"batched attention takes up to {batch_k.MAX_GROUP} query heads per KV head and head_dim "
                           f"a multiple of 8 up to 128; this model has {c['n_heads']} / {c['n_kv_heads']} heads of "
                           f"{c['head_dim']}, so decode one sequence at a time.")
-    if c["dim"] > batch_k.MAX_DIM:
-        raise DeviceError(f"batched decoding normalizes rows of up to {batch_k.MAX_DIM} elements; this model's are "
-                          f"{c['dim']}, so decode one sequence at a time.")
+    if c["dim"] > batch_k.MAX_DIM or c["dim"] % batch_k.RMSNORM_VEC:
+        raise DeviceError(f"batched decoding normalizes rows of up to {batch_k.MAX_DIM} elements, a multiple of "
+                          f"{batch_k.RMSNORM_VEC}; this model's are {c['dim']}, so decode one sequence at a time.")
     if not cuda_prefill.supported(tinf.config):
         raise DeviceError(f"batched decoding prefills with head_dim in {cuda_prefill.prefill_k.HEAD_DIMS}; this model "
                           f"has {tinf.config['head_dim']}, so decode one sequence at a time.")
@@ -145,6 +145,7 @@ class BatchEngine:
         self.prefill_chunk = min(prefill_chunk, cuda_prefill.MAX_CHUNK)
         self.n_slots = self.check_memory(slots)
         self.mod = batch_k.compile_batch(backend.compute_capability)
+        self.sample_mod = sample_k.compile_sampler(backend.compute_capability)   # the batch-1 backend's module
         with self.stream:
             self.allocate()
             self.prefill_ops = cuda_prefill.CudaOps(SlotCache(backend), self.prefill_chunk)
@@ -199,7 +200,11 @@ class BatchEngine:
         floats = rows * (self.dim + self.n_heads * self.hd + self.vocab) + parts
         prefill = (self.prefill_chunk * cuda_prefill.bytes_per_token(self.config)
                    + 2 * cuda_prefill.scratch_halves(self.tinf))
-        return 4 * floats + h + prefill
+        return 4 * floats + h + prefill + self.sampler_bytes()
+
+    def sampler_bytes(self) -> int:
+        """batch_sample's float64 scratch of every row and the slots' histories (int32)."""
+        return 8 * MAX_SLOTS * self.vocab + 4 * (MAX_SLOTS + 1) * self.max_context
 
     def check_memory(self, slots: int | None) -> int:
         """The slot count (given, or the most that fit up to MAX_SLOTS); refuse what does not fit."""
@@ -235,7 +240,27 @@ class BatchEngine:
         self.logits = cp.zeros((rows, self.vocab), dtype=cp.float32)
         self.best = cp.zeros(rows, dtype=cp.int32)
         self.table_host = pinned_empty(3 * rows, np.int32).reshape(3, rows)
-        self.best_host = pinned_empty(rows, np.int32)
+        self.allocate_sampler()
+
+    def allocate_sampler(self) -> None:
+        """batch_sample's buffers: per row its parameters then its u (one float64 upload with the row
+        table), the picked tokens, a float64 scratch row; per slot (the spare one too) its ids by position."""
+        cp, rows = self.cp, MAX_SLOTS
+        self.sampling_host = pinned_empty(rows * (sample_k.P_COUNT + 1), np.float64)
+        self.sampling_host[:] = 0
+        self.sampling = cp.zeros(rows * (sample_k.P_COUNT + 1), dtype=np.float64)
+        self.row_params = self.sampling[: rows * sample_k.P_COUNT].reshape(rows, sample_k.P_COUNT)
+        self.row_uniforms = self.sampling[rows * sample_k.P_COUNT:]
+        self.history = cp.zeros((self.n_slots + 1, self.max_context), dtype=np.int32)
+        self.sample_scratch = cp.zeros((rows, self.vocab), dtype=np.float64)
+        self.tokens = cp.zeros(rows, dtype=np.int32)
+        self.tokens_host = pinned_empty(rows, np.int32)
+
+    def sampler(self, n: int) -> Launch:
+        """The step's last launch: every row's token from its logits (batch_sample)."""
+        return sample_k.make_batch_sample(self.sample_mod, n, self.vocab, self.logits, self.best, self.row_params,
+                                          self.row_uniforms, self.table[1], self.table[2], self.history,
+                                          self.max_context, self.sample_scratch, self.tokens)
 
     # ------------------------------------------------------------------------- the step
 
@@ -288,6 +313,7 @@ class BatchEngine:
                                  self.h_norm.shape[1]),
             self.gemv("output", padded, self.h_norm),
             batch_k.make_logits(mod, n, self.parts, plan("output"), self.vocab, self.logits, self.best),
+            self.sampler(n),
         ]
         return launches
 
@@ -321,21 +347,8 @@ class BatchEngine:
         return totals
 
     def capture(self, launches):
-        stream = self.stream
-        stream.synchronize()                 # the eager step ran first: capture changes nothing it wrote
-        stream.begin_capture()
-        try:
-            for launch in launches:
-                launch(stream, early=self.pdl)
-        except BaseException:
-            try:
-                stream.end_capture()
-            except Exception:
-                pass
-            raise
-        graph = stream.end_capture()
-        graph.upload(stream)
-        return graph
+        self.stream.synchronize()            # the eager step ran first: capture changes nothing it wrote
+        return self.backend.capture(launches)
 
     # ------------------------------------------------------------------------- scheduling
 
@@ -371,8 +384,16 @@ class BatchEngine:
         slot = free[0]
         self.sequences[slot] = Sequence(slot, prompt, params, rng, int(max_new_tokens),
                                         frozenset(int(i) for i in stop_ids))
+        self.write_history(slot, prompt)
         self.waiting.append(slot)
         return slot
+
+    def write_history(self, slot: int, prompt: np.ndarray) -> None:
+        """The prompt's ids at positions 0.. of the slot's history, for the repetition penalty
+        (batch_sample appends every token it picks); stream-ordered after the slot's last step."""
+        ids = np.ascontiguousarray(prompt, dtype=np.int32)
+        self.cp.cuda.runtime.memcpyAsync(self.history[slot].data.ptr, ids.ctypes.data, ids.nbytes, H2D,
+                                         self.stream.ptr)
 
     def cancel(self, slot: int) -> None:
         """Stop a sequence at once; its slot is free (the cache rows it wrote are simply overwritten)."""
@@ -420,15 +441,28 @@ class BatchEngine:
         if not rows:
             return {}
         tick = time.perf_counter()
-        best, logits = self.decode(rows, self.keep_logits or not all(s.device_greedy for s in rows))
+        self.stage_sampling(rows)
+        tokens, logits = self.decode(rows, self.keep_logits)
         self.step_times.append(time.perf_counter() - tick)
         if self.keep_logits:
             self.last_logits = {seq.slot: logits[r] for r, seq in enumerate(rows)}
-        return {seq.slot: self.advance(seq, int(best[r]), logits[r] if logits is not None else None)
-                for r, seq in enumerate(rows)}
+        return {seq.slot: self.advance(seq, int(tokens[r])) for r, seq in enumerate(rows)}
+
+    def stage_sampling(self, rows: list[Sequence]) -> None:
+        """Row r's parameters and u into the host's sampling buffer (decode uploads it with the row
+        table): one rng.random() per row and token, greedy too, as Backend.generate_ids draws them; rows
+        past the sequences (padding) greedy."""
+        p = sample_k.P_COUNT
+        params = self.sampling_host[: MAX_SLOTS * p].reshape(MAX_SLOTS, p)
+        uniforms = self.sampling_host[MAX_SLOTS * p:]
+        params[len(rows):] = sample_k.params_array(GREEDY)
+        uniforms[len(rows):] = 0.0
+        for r, seq in enumerate(rows):
+            params[r] = sample_k.params_array(seq.params)
+            uniforms[r] = seq.rng.random()
 
     def decode(self, rows: list[Sequence], want_logits: bool):
-        """One step of the rows on the device: (greedy argmax per row, logits [rows, vocab] or None)."""
+        """One step of the rows on the device: (each row's token, logits [rows, vocab] or None)."""
         n = bucket_for(len(rows))
         table = self.table_host
         table[0, :n], table[1, :n], table[2, :n] = 0, 0, self.n_slots     # padding rows: the spare slot
@@ -436,21 +470,16 @@ class BatchEngine:
             table[:, r] = seq.token, seq.position, seq.slot
         cp = self.cp
         cp.cuda.runtime.memcpyAsync(self.table.data.ptr, table.ctypes.data, table.nbytes, H2D, self.stream.ptr)
+        cp.cuda.runtime.memcpyAsync(self.sampling.data.ptr, self.sampling_host.ctypes.data, self.sampling_host.nbytes,
+                                    H2D, self.stream.ptr)
         self.run_step(n)
-        cp.cuda.runtime.memcpyAsync(self.best_host.ctypes.data, self.best.data.ptr, 4 * n, D2H, self.stream.ptr)
+        cp.cuda.runtime.memcpyAsync(self.tokens_host.ctypes.data, self.tokens.data.ptr, 4 * n, D2H, self.stream.ptr)
         logits = self.logits[: len(rows)].get(stream=self.stream) if want_logits else None
         self.stream.synchronize()
-        return self.best_host[: len(rows)].copy(), logits
+        return self.tokens_host[: len(rows)].copy(), logits
 
-    def advance(self, seq: Sequence, best: int, logits) -> TokenEvent:
-        """The sequence's next token (the device's argmax, or sampled from its logits row); it leaves
-        at a stop id or at its budget."""
-        u = seq.rng.random()                 # one draw per token, greedy too (Backend.generate_ids)
-        if seq.device_greedy:
-            token = best
-        else:
-            history = np.concatenate([seq.prompt, np.asarray(seq.generated, dtype=np.int64)])
-            token = sample(logits, seq.params, history, u)
+    def advance(self, seq: Sequence, token: int) -> TokenEvent:
+        """The sequence's next token (picked on the device); it leaves at a stop id or at its budget."""
         seq.generated.append(token)
         reason = "stop" if token in seq.stop_ids else "length" if len(seq.generated) >= seq.max_new_tokens else None
         if reason:
@@ -459,7 +488,7 @@ class BatchEngine:
 
     def close(self) -> None:
         self.stream.synchronize()
-        for name in ("graphs", "k_cache", "v_cache", "parts", "logits", "prefill_ops"):
+        for name in ("graphs", "k_cache", "v_cache", "parts", "logits", "prefill_ops", "history", "sample_scratch"):
             setattr(self, name, None)
 
 

@@ -13,6 +13,7 @@ from tinyinfer.kernels import gemv as gemv_k
 from tinyinfer.kernels import layout
 from tinyinfer.runtime import load
 from tinyinfer.runtime.bench import random_encoded, write_random_model
+from tinyinfer.runtime.cuda_backend import CudaBackend
 from tinyinfer.runtime.cuda_batch import BUCKETS, BatchEngine, bucket_for
 from tinyinfer.runtime.sampling import SamplingParams
 
@@ -225,24 +226,32 @@ def test_generate_batch_on_the_cpu_is_each_prompt_alone(tmp_path):
 
 
 class ScheduleOnly(BatchEngine):
-    """The engine's scheduling with the device work replaced: prefill spans and decode rows recorded,
-    each row's token a function of its slot and position."""
+    """The engine's scheduling with the device work replaced: prefill spans, history writes, decode rows
+    and the staged sampling buffer (per row parameters then u) recorded, each row's token a function of
+    its slot and position."""
 
     def __init__(self, slots: int, prefill_chunk: int, vocab: int = 97, max_context: int = 200):
+        from tinyinfer.kernels import sampling as sample_k
+
         self.n_slots, self.prefill_chunk, self.vocab, self.max_context = slots, prefill_chunk, vocab, max_context
         self.keep_logits, self.last_logits = False, {}
         self.sequences, self.waiting, self.step_times = {}, [], []
-        self.spans, self.steps = [], []
+        self.spans, self.steps, self.histories, self.staged = [], [], [], []
+        self.sampling_host = np.full(32 * (sample_k.P_COUNT + 1), np.nan)
 
     def prefill_span(self, slot, ids, start):
         self.spans[-1].append((slot, start, start + ids.size))
 
+    def write_history(self, slot, prompt):
+        self.histories.append((slot, np.array(prompt)))
+
     def decode(self, rows, want_logits):
         self.steps[-1] = [(s.slot, s.position, s.token) for s in rows]
-        best = np.array([(7 * s.slot + s.position) % self.vocab for s in rows])
+        self.staged.append(self.sampling_host.copy())
+        tokens = np.array([(7 * s.slot + s.position) % self.vocab for s in rows])
         if not want_logits:
-            return best, None
-        return best, np.random.default_rng(len(self.steps)).standard_normal((len(rows), self.vocab))
+            return tokens, None
+        return tokens, np.random.default_rng(len(self.steps)).standard_normal((len(rows), self.vocab))
 
     def step(self):
         self.spans.append([])
@@ -293,8 +302,52 @@ def test_schedule_prefills_in_chunks_and_feeds_each_sequence_its_own_tokens():
         assert covered == list(range(prompt.size - 1))
         first = prompt.size - 1
         assert inputs[i] == [(first + k, int(t)) for k, t in enumerate([prompt[-1]] + outputs[i][:-1])]
-        if i != 2:                                  # greedy rows take the device's argmax
-            assert outputs[i] == [(7 * slot_of[i] + first + k) % 97 for k in range(len(outputs[i]))]
+        assert outputs[i] == [(7 * slot_of[i] + first + k) % 97 for k in range(len(outputs[i]))]   # the device's
+
+
+def test_schedule_stages_each_rows_parameters_draw_and_prompt_history():
+    """Before each step every row's SamplingParams (sample_k.params_array) and one rng.random() of its
+    own seed, in order, are staged for the upload; rows past the sequences are greedy with u = 0; each
+    prompt is written to its slot's history at submit."""
+    from tinyinfer.kernels import sampling as sample_k
+
+    engine = ScheduleOnly(slots=3, prefill_chunk=50)
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(0, 97, n) for n in (3, 1, 8, 5)]
+    params = [SamplingParams(temperature=0.7, top_k=5), SamplingParams(),
+              SamplingParams(temperature=1.2, top_p=0.8, min_p=0.1, repetition_penalty=1.3),
+              SamplingParams(repetition_penalty=2.0)]
+    budgets = [4, 6, 3, 5]
+    draws = {i: iter(np.random.default_rng(100 + i).random(10)) for i in range(len(prompts))}
+    owner, queue, staged_rows = {}, list(range(len(prompts))), 0
+    for _ in range(50):
+        while queue and engine.free_slots():
+            i = queue.pop(0)
+            slot = engine.submit(prompts[i], params[i], budgets[i], seed=100 + i)
+            owner[slot] = i
+            assert engine.histories[-1][0] == slot and engine.histories[-1][1].tolist() == prompts[i].tolist()
+        if not engine.has_work():
+            break
+        events = engine.step()
+        if not events:
+            continue
+        staged = engine.staged[-1]
+        p = sample_k.P_COUNT
+        table, uniforms = staged[: 32 * p].reshape(32, p), staged[32 * p:]
+        rows = [slot for slot, _, _ in engine.steps[-1]]
+        assert rows == sorted(events)
+        for r, slot in enumerate(rows):
+            i = owner[slot]
+            np.testing.assert_array_equal(table[r], sample_k.params_array(params[i]))
+            assert uniforms[r] == next(draws[i]), f"prompt {i}: not its seed's next draw"
+            staged_rows += 1
+        np.testing.assert_array_equal(table[len(rows):], np.tile(sample_k.params_array(SamplingParams()),
+                                                                (32 - len(rows), 1)))
+        assert not uniforms[len(rows):].any()
+        for slot, event in events.items():
+            if event.finish_reason:
+                del owner[slot]
+    assert not engine.has_work() and staged_rows == sum(budgets)
 
 
 # ------------------------------------------------------------------- the step's launches, no GPU
@@ -373,9 +426,9 @@ def expected_kind(parameter: str) -> str:
 
 
 def test_every_launch_of_the_step_passes_its_kernel_parameters(tmp_path, monkeypatch):
-    """The launches of a step (each bucket) against batch.cu's and prefill.cu's signatures: the count of
-    arguments, a pointer for each pointer, and each scalar in its C type (CuPy would pass a Python int as
-    64 bits)."""
+    """The launches of a step (each bucket) against batch.cu's, prefill.cu's and sampling.cu's
+    signatures: the count of arguments, a pointer for each pointer, and each scalar in its C type (CuPy
+    would pass a Python int as 64 bits)."""
     from tinyinfer.formats import open_tinf
     from tinyinfer.runtime import cuda_batch
     from tinyinfer.runtime import reference as ref
@@ -394,16 +447,19 @@ def test_every_launch_of_the_step_passes_its_kernel_parameters(tmp_path, monkeyp
         "f32_view": lambda self, name: data[: tinf.info(name).nbytes].copy().view(np.float32).view(HostArray),
     })()
     monkeypatch.setattr(cuda_batch.batch_k, "compile_batch", lambda cc: FakeModule())
+    monkeypatch.setattr(cuda_batch.sample_k, "compile_sampler", lambda cc: FakeModule())
     monkeypatch.setattr(cuda_batch.cuda_prefill, "CudaOps", lambda b, chunk: type("Ops", (), {"mod": FakeModule()})())
     monkeypatch.setattr(cuda_batch, "pinned_empty", lambda n, dtype: np.zeros(n, dtype))
     engine = cuda_batch.BatchEngine(backend, slots=3, max_context=64)
     types = {"int": np.int32, "float": np.float32, "long long": np.int64}
+    sources = {"embed_rows": "prefill.cu", "batch_sample": "sampling.cu"}
     for n in BUCKETS:
         launches = engine.build_step(n)
-        assert len(launches) == 2 + 9 * config["n_layers"] + 1 + 1
+        assert len(launches) == 2 + 9 * config["n_layers"] + 1 + 1 + 1
+        assert launches[-1].kernel.name == "batch_sample" and launches[-1].grid == (n,)
         for launch in launches:
             name = launch.kernel.name
-            source = "prefill.cu" if name == "embed_rows" else "batch.cu"
+            source = sources.get(name, "batch.cu")
             params = kernel_parameters(source, name.split("<")[0])
             assert len(launch.args) == len(params), f"{name}: {len(launch.args)} arguments for {len(params)}"
             for arg, param in zip(launch.args, params):
@@ -431,9 +487,11 @@ def check_threads(name: str, grid, block, args) -> None:
     """The grid and block a kernel's thread mapping needs (batch.cu): RMSNorm's BR_ELEMS elements per
     thread cover the row, RoPE has a block per (row, head) and a thread per pair of columns within its
     launch bound, attention a block of BA_WARPS warps per (KV head, row)."""
-    if name == "batch_rmsnorm":
+    if name in ("batch_rmsnorm", "batch_rmsnorm_wide"):
+        vecs = 1 if name == "batch_rmsnorm" else 2
         assert block[0] % 32 == 0 and block[0] <= batch_k.RMSNORM_THREADS
-        assert batch_k.RMSNORM_ELEMS * block[0] >= int(args[5]), "batch_rmsnorm's threads do not cover the row"
+        assert int(args[5]) % batch_k.RMSNORM_VEC == 0
+        assert vecs * batch_k.RMSNORM_VEC * block[0] >= int(args[5]), f"{name}'s threads do not cover the row"
     elif name == "batch_rope_store":
         n_heads, n_kv, hd = (int(a) for a in args[6:9])
         assert grid[1] == n_heads + n_kv and hd // 2 <= block[0] <= batch_k.ROPE_THREADS
@@ -472,6 +530,8 @@ class EmulatedKernel(FakeKernel):
         n = grid[0]
         x[:n] += self.parts(parts, n_slices, stride, n, int(dim))
         out.reshape(-1, int(ldo))[:n, : int(dim)] = batch_k.rmsnorm_reference(x[:n], np.asarray(w), float(eps))
+
+    run_batch_rmsnorm_wide = run_batch_rmsnorm
 
     def run_batch_gemv(self, grid, args):
         w_ptr, _, rows, kpad, _, h, ldh, per_slice, _, parts = args
@@ -518,19 +578,41 @@ class EmulatedKernel(FakeKernel):
         logits[:n] = self.parts(parts, n_slices, stride, n, int(vocab))
         best[:n] = np.argmax(logits[:n], axis=-1)
 
+    def run_batch_sample(self, grid, args):
+        """sample() per row on the arguments as sampling.cu's header lays them out; plain greedy rows
+        take best (checked to be the argmax)."""
+        from tinyinfer.kernels import sampling as sample_k
+        from tinyinfer.runtime.sampling import sample
 
-def test_the_engine_step_computes_each_sequences_logits(tmp_path, monkeypatch):
-    """The engine with every kernel replaced by its NumPy reference, fed the launches' own arguments:
-    the step's wiring (buffers, leading dimensions, slices, slots and positions of rows, the padding
-    rows, graphs replayed for later steps, prefill into a slot) gives each sequence the logits of the
-    NumPy reference run on that sequence alone, for sequences joining and leaving at different steps."""
+        logits, vocab, best, params, uniforms, positions, slots, history, max_context, _, tokens = args
+        vocab, max_context = int(vocab), int(max_context)
+        table = np.asarray(params).reshape(-1, sample_k.P_COUNT)
+        history = np.asarray(history).reshape(-1, max_context)
+        for b in range(grid[0]):
+            row = table[b]
+            chosen = SamplingParams(temperature=row[sample_k.P_TEMPERATURE], top_k=int(row[sample_k.P_TOP_K]),
+                                    top_p=row[sample_k.P_TOP_P], min_p=row[sample_k.P_MIN_P],
+                                    repetition_penalty=row[sample_k.P_PENALTY])
+            pos, slot = int(positions[b]), int(slots[b])
+            x = np.asarray(logits).reshape(-1, vocab)[b]
+            if chosen.greedy and chosen.repetition_penalty == 1.0:
+                assert best[b] == np.argmax(x)
+                tokens[b] = best[b]
+            else:
+                tokens[b] = sample(x, chosen, history[slot, : pos + 1], float(uniforms[b]))
+            if pos + 1 < max_context:
+                history[slot, pos + 1] = tokens[b]
+
+
+def emulated_engine(tmp_path, monkeypatch, **kwargs):
+    """(engine, tinf): the engine over a random 2-layer q4 model with every kernel replaced by its
+    NumPy reference (EmulatedKernel), prefill by its NumPy steps over the slot's cache."""
     import ctypes
 
     from tinyinfer.formats import open_tinf
     from tinyinfer.runtime import cuda_batch, cuda_prefill
     from tinyinfer.runtime import reference as ref
     from tinyinfer.runtime.bench import tinf_config
-    from tinyinfer.runtime.numpy_backend import NumpyBackend
 
     config = tinf_config({"hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2,
                           "intermediate_size": 384, "vocab_size": 512, "num_hidden_layers": 2,
@@ -585,13 +667,15 @@ def test_the_engine_step_computes_each_sequences_logits(tmp_path, monkeypatch):
         "cp": Cupy, "tinf": tinf, "config": tinf.config, "max_context": 64, "n_sms": 4, "pdl": False,
         "compute_capability": 90, "stream": Stream(), "rope_cos": cos, "rope_sin": sin, "view": view,
         "f32_view": lambda self, name: view(self, name).view(np.float32).view(HostArray),
+        "capture": CudaBackend.capture,
     })()
     module = type("Module", (), {"get_function": lambda self, name: EmulatedKernel(name, world)})()
     monkeypatch.setattr(cuda_batch.batch_k, "compile_batch", lambda cc: module)
+    monkeypatch.setattr(cuda_batch.sample_k, "compile_sampler", lambda cc: module)
     ops = type("Ops", (), {"mod": module})()
     monkeypatch.setattr(cuda_batch.cuda_prefill, "CudaOps", lambda b, chunk: ops)
     monkeypatch.setattr(cuda_batch, "pinned_empty", lambda n, dtype: np.zeros(n, dtype))
-    engine = cuda_batch.BatchEngine(backend, slots=3, max_context=64, prefill_chunk=8, keep_logits=True)
+    engine = cuda_batch.BatchEngine(backend, slots=3, max_context=64, prefill_chunk=8, **kwargs)
 
     def prefill_span(slot, ids, start):              # prefill's NumPy steps over the slot's cache
         ops = cuda_prefill.NumpyOps(tinf, 64)
@@ -599,15 +683,18 @@ def test_the_engine_step_computes_each_sequences_logits(tmp_path, monkeypatch):
         cuda_prefill.run_prefill(ops, tinf.config, ids, start, 8, None)
 
     engine.prefill_span = prefill_span
-    rng = np.random.default_rng(1)
-    prompts = [rng.integers(0, 512, n) for n in (5, 1, 12, 3)]
-    budgets = [6, 4, 3, 5]
-    owner, queue, rows = {}, [0, 1, 2, 3], {i: [] for i in range(4)}
-    generated = {i: [] for i in range(4)}
-    for _ in range(40):
+    return engine, tinf
+
+
+def run_prompts(engine, prompts, budgets, params=None, seeds=None, max_steps: int = 60):
+    """Submit as slots free up, step until done: (generated tokens, logits rows) per prompt."""
+    owner, queue = {}, list(range(len(prompts)))
+    generated, rows = {i: [] for i in queue}, {i: [] for i in queue}
+    for _ in range(max_steps):
         while queue and engine.free_slots():
             i = queue.pop(0)
-            owner[engine.submit(prompts[i], max_new_tokens=budgets[i])] = i
+            kwargs = {} if params is None else {"params": params[i], "seed": seeds[i]}
+            owner[engine.submit(prompts[i], max_new_tokens=budgets[i], **kwargs)] = i
         if not engine.has_work():
             break
         for slot, event in engine.step().items():
@@ -616,6 +703,21 @@ def test_the_engine_step_computes_each_sequences_logits(tmp_path, monkeypatch):
             rows[i].append(engine.last_logits[slot])
             if event.finish_reason:
                 del owner[slot]
+    return generated, rows
+
+
+def test_the_engine_step_computes_each_sequences_logits(tmp_path, monkeypatch):
+    """The engine with every kernel replaced by its NumPy reference, fed the launches' own arguments:
+    the step's wiring (buffers, leading dimensions, slices, slots and positions of rows, the padding
+    rows, graphs replayed for later steps, prefill into a slot) gives each sequence the logits of the
+    NumPy reference run on that sequence alone, for sequences joining and leaving at different steps."""
+    from tinyinfer.runtime.numpy_backend import NumpyBackend
+
+    engine, tinf = emulated_engine(tmp_path, monkeypatch, keep_logits=True)
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(0, 512, n) for n in (5, 1, 12, 3)]
+    budgets = [6, 4, 3, 5]
+    generated, rows = run_prompts(engine, prompts, budgets)
     assert [len(generated[i]) for i in range(4)] == budgets
     assert set(engine.graphs) >= {1, 2, 4}, "later steps replay captured graphs"
     reference = NumpyBackend(tinf, max_context=64)
@@ -626,3 +728,32 @@ def test_the_engine_step_computes_each_sequences_logits(tmp_path, monkeypatch):
         errors = np.linalg.norm(ours - expected, axis=-1) / np.linalg.norm(expected, axis=-1)
         assert errors.max() <= 2e-3, f"prompt {i}: relative error {errors.max():.2e}"
         assert generated[i] == list(ours.argmax(-1))
+
+
+def test_the_engine_samples_each_row_with_its_parameters_draw_and_history(tmp_path, monkeypatch):
+    """batch_sample emulated by sample() on the launch's own arguments (row r's parameters and u, its
+    slot's history up to its position, appending its token): every token of every sequence is
+    sample(its logits row, its params, prompt + tokens so far, the seed's next draw), with slots reused,
+    so the wiring of parameters, draws, the prompt's history written at submit and the appended tokens
+    holds. A penalty below 1 (which raises the history's positive logits) moves greedy tokens off the
+    argmax, so the history is read."""
+    from tinyinfer.runtime.sampling import sample
+
+    engine, _ = emulated_engine(tmp_path, monkeypatch, keep_logits=True)
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(0, 512, n) for n in (6, 1, 9, 4, 3)]
+    budgets = [7, 5, 4, 8, 6]
+    params = [SamplingParams(repetition_penalty=0.02), SamplingParams(temperature=0.9, top_k=20),
+              SamplingParams(temperature=1.1, top_p=0.7, min_p=0.05, repetition_penalty=1.4), SamplingParams(),
+              SamplingParams(temperature=0.6, repetition_penalty=0.8)]
+    seeds = [40 + i for i in range(len(prompts))]
+    generated, rows = run_prompts(engine, prompts, budgets, params, seeds)
+    assert [len(generated[i]) for i in range(len(prompts))] == budgets
+    moved = 0
+    for i, prompt in enumerate(prompts):
+        draws = np.random.default_rng(seeds[i]).random(budgets[i])
+        for k, (token, logits) in enumerate(zip(generated[i], rows[i])):
+            history = np.concatenate([prompt, np.asarray(generated[i][:k], dtype=np.int64)])
+            assert token == sample(logits, params[i], history, draws[k]), f"prompt {i} token {k}"
+            moved += i == 0 and token != int(np.argmax(logits))
+    assert moved, "the penalty never changed a greedy token: the test does not see the history"

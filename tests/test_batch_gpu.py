@@ -28,7 +28,7 @@ from tinyinfer.runtime import reference as ref
 from tinyinfer.runtime.bench import random_encoded, tinf_config, write_random_model
 from tinyinfer.runtime.errors import ContextOverflowError, DeviceError, SlotsFullError
 from tinyinfer.runtime.numpy_backend import NumpyBackend
-from tinyinfer.runtime.sampling import SamplingParams
+from tinyinfer.runtime.sampling import SamplingParams, sample
 
 from tinf_samples import stored_bytes  # noqa: E402
 
@@ -146,22 +146,32 @@ def test_rope_store_matches_its_reference(cupy_gpu, mod, bias):
         assert_rows_close(v_got[slot, pos].astype(np.float32), ev[r].astype(np.float32), 1e-3, "rope v")
 
 
-def test_rmsnorm_swiglu_and_logits_match_their_references(cupy_gpu, mod):
+# Rows of one float4 per thread and of two (batch_rmsnorm_wide), slices in whole and partial batches
+# of a thread's loads, no slices (the first layer), SmolLM2's 576.
+@pytest.mark.parametrize("dim, slices", [(256, 2), (576, 9), (2048, 16), (4096, 0), (6144, 5), (8192, 15)])
+def test_rmsnorm_matches_its_reference(cupy_gpu, mod, dim, slices):
     cp = cupy_gpu
-    rng = np.random.default_rng(11)
-    rows, padded, slices, dim, ffn, vocab = 5, 8, 2, 256, 384, 1000
-    plan_dim = batch_k.GemvPlan(dim, 128, padded, 1, slices, 8)
+    rng = np.random.default_rng(dim + slices)
+    rows, padded = 5, 8
+    plan_dim = batch_k.GemvPlan(dim, 128, padded, 1, slices, 8) if slices else None
     x = rng.standard_normal((rows, dim)).astype(np.float32)
-    parts = rng.standard_normal((slices, padded, dim)).astype(np.float32)
+    parts = rng.standard_normal((max(slices, 1), padded, dim)).astype(np.float32)
     weight = rng.standard_normal(dim).astype(np.float32)
     x_dev = cp.asarray(x)
     out = cp.full((rows, dim + 128), np.nan, dtype=cp.float16)
     batch_k.make_rmsnorm(mod, rows, x_dev, cp.asarray(parts), plan_dim, cp.asarray(weight), dim, 1e-5, out,
                          out.shape[1])()
-    summed = x + parts.sum(axis=0)[:rows]
+    summed = x + parts[:slices].sum(axis=0)[:rows]
     assert_rows_close(x_dev.get(), summed, 1e-6, "residual")
     assert_rows_close(out[:, :dim].get().astype(np.float32),
                       batch_k.rmsnorm_reference(summed, weight, 1e-5).astype(np.float32), 1e-3, "rmsnorm")
+    assert np.isnan(out[:, dim:].get().astype(np.float32)).all(), "rmsnorm wrote past the row"
+
+
+def test_swiglu_and_logits_match_their_references(cupy_gpu, mod):
+    cp = cupy_gpu
+    rng = np.random.default_rng(11)
+    rows, padded, slices, ffn, vocab = 5, 8, 2, 384, 1000
 
     plan_ffn = batch_k.GemvPlan(2 * ffn, 128, padded, 1, slices, 8)
     gate_up = rng.standard_normal((slices, padded, 2 * ffn)).astype(np.float32)
@@ -180,6 +190,91 @@ def test_rmsnorm_swiglu_and_logits_match_their_references(cupy_gpu, mod):
     assert_rows_close(logits[:rows].get(), expected, 1e-6, "logits")
     assert best[:rows].get().tolist() == np.argmax(expected, axis=-1).tolist()
     assert best[2].get() == 17
+
+
+# ------------------------------------------------------------------------------------- sampling
+
+# Per-row parameters, cycled over the rows: plain greedy, greedy with a penalty (above and below 1),
+# temperature alone, top-k, top-p, min-p, and mixtures with penalties.
+ROW_SAMPLING = [
+    SamplingParams(),
+    SamplingParams(temperature=0.0, repetition_penalty=1.3),
+    SamplingParams(temperature=1.0),
+    SamplingParams(temperature=0.7, top_k=50, top_p=0.9, min_p=0.05, repetition_penalty=1.1),
+    SamplingParams(temperature=1.3, top_p=0.5),
+    SamplingParams(temperature=0.8, top_k=1),
+    SamplingParams(temperature=1.0, min_p=0.2),
+    SamplingParams(temperature=2.0, top_k=7, top_p=0.95),
+    SamplingParams(temperature=0.9, repetition_penalty=0.7),
+    SamplingParams(temperature=0.0, repetition_penalty=0.5),
+    SamplingParams(temperature=1.1, top_k=200, repetition_penalty=1.5),
+]
+
+
+@pytest.fixture(scope="module")
+def sample_mod(cupy_gpu):
+    from tinyinfer.kernels import sampling as sample_k
+    from tinyinfer.kernels.build import device_compute_capability
+
+    return sample_k.compile_sampler(device_compute_capability())
+
+
+def run_batch_sample(cp, sample_mod, logits, params, uniforms, positions, slots, history, best=None):
+    """batch_sample over host arrays, outputs (tokens, scratch) poisoned first: (tokens, history after)."""
+    from tinyinfer.kernels import sampling as sample_k
+
+    n_rows, vocab = logits.shape
+    table = np.stack([sample_k.params_array(p) for p in params])
+    tokens = cp.full(n_rows, -1, dtype=cp.int32)
+    history_dev = cp.asarray(history)
+    launch = sample_k.make_batch_sample(
+        sample_mod, n_rows, vocab, cp.asarray(logits), None if best is None else cp.asarray(best.astype(np.int32)),
+        cp.asarray(table), cp.asarray(np.asarray(uniforms, np.float64)), cp.asarray(positions.astype(np.int32)),
+        cp.asarray(slots.astype(np.int32)), history_dev, history.shape[1], cp.full((n_rows, vocab), np.nan),
+        tokens)
+    launch()
+    return tokens.get(), history_dev.get()
+
+
+@pytest.mark.parametrize("n_rows", [1, 2, 5, 8, 17, 32])
+@pytest.mark.parametrize("vocab", [32000, 1001, 128256])
+@pytest.mark.parametrize("ties", [False, True])
+def test_batch_sample_matches_the_reference_per_row(cupy_gpu, sample_mod, n_rows, vocab, ties):
+    """Every row's token is sample(its logits, its params, its slot's history up to its position, its u)
+    on fresh random logits (many equal values with ties), rows in shuffled slots with histories of 1 to
+    max_context ids (the rest of each slot's history random ids too, so reading past the position would
+    change the penalty); each token is appended at its position + 1, nothing else in the history moves.
+    With best given, plain greedy rows take it (here another id than the argmax) and the others ignore it."""
+    cp = cupy_gpu
+    rng = np.random.default_rng(n_rows * 7 + vocab + ties)
+    max_context, n_slots = 300, 33
+    for trial in range(3):
+        logits = (3 * rng.standard_normal((n_rows, vocab))).astype(np.float32)
+        if ties:
+            logits = np.round(logits * 2) / 2
+        params = [ROW_SAMPLING[(r + trial) % len(ROW_SAMPLING)] for r in range(n_rows)]
+        uniforms = rng.random(n_rows)
+        slots = rng.permutation(n_slots)[:n_rows]
+        positions = np.array([[0, max_context - 1, 1][r % 3] if r < 3 else rng.integers(0, max_context)
+                              for r in range(n_rows)])
+        history = rng.integers(0, vocab, (n_slots, max_context)).astype(np.int32)
+        history[slots[:2], :5] = 7                                    # repeated ids: one penalty each
+        expected = np.array([sample(logits[r], params[r], history[slots[r], : positions[r] + 1], uniforms[r])
+                             for r in range(n_rows)])
+        plain = np.array([p.greedy and p.repetition_penalty == 1.0 for p in params])
+        decoy = np.argmin(logits, axis=-1)
+        for best in (None, decoy):
+            tokens, after = run_batch_sample(cp, sample_mod, logits, params, uniforms, positions, slots, history,
+                                             best)
+            want = np.where(plain, decoy, expected) if best is not None else expected
+            for r in range(n_rows):
+                assert tokens[r] == want[r], (f"trial {trial} row {r} {params[r]} (best given: {best is not None}): "
+                                              f"device {tokens[r]}, reference {want[r]}")
+            appended = history.copy()
+            for r in range(n_rows):
+                if positions[r] + 1 < max_context:
+                    appended[slots[r], positions[r] + 1] = tokens[r]
+            np.testing.assert_array_equal(after, appended)
 
 
 # ------------------------------------------------------------------------------------- engine
@@ -290,14 +385,18 @@ def test_sequences_joining_and_leaving_match_single_stream_logits(case):
 
 def test_a_seed_gives_the_same_tokens_in_a_batch_and_alone(case):
     """Sampling draws one uniform per token, so the batch's sampled tokens are generate_ids' for the
-    same seed wherever the logits agree (random models: compared on the first 3 tokens only)."""
+    same seed wherever the logits agree (random models: compared on the first 3 tokens only). The two
+    paths' logits differ (the batch-1 GEMVs' hi + lo inputs against the batched step's fp16): at
+    temperature 1 over all 32,000 near-equal ids of a random model that moved one draw across the
+    boundary of two adjacent ids, so the draws are among the top 40, whose probabilities differ far
+    more than the paths do."""
     q4_only(case)
     from tinyinfer.runtime.cuda_batch import BatchEngine
 
     backend = case["model"].backend
     rng = np.random.default_rng(9)
     prompts = [rng.integers(0, case["model"].config["vocab_size"], n) for n in (20, 3, 40)]
-    params = SamplingParams(temperature=1.0)
+    params = SamplingParams(temperature=0.8, top_k=40)
     engine = BatchEngine(backend, slots=3, max_context=CONTEXT)
     try:
         slots = [engine.submit(p, params, 3, seed=100 + i) for i, p in enumerate(prompts)]
@@ -307,9 +406,86 @@ def test_a_seed_gives_the_same_tokens_in_a_batch_and_alone(case):
                 out[slot].append(event.token)
     finally:
         engine.close()
+    sampled = False
     for i, (slot, prompt) in enumerate(zip(slots, prompts)):
         alone = list(backend.generate_ids(prompt, 0, params, 3, np.random.default_rng(100 + i)))
         assert out[slot] == alone
+        sampled |= alone != list(backend.generate_ids(prompt, 0, SamplingParams(), 3, np.random.default_rng(0)))
+    assert sampled, "every sequence decoded its greedy tokens: nothing was sampled"
+
+
+def run_alone_or_together(engine, prompts, params, budgets, seeds):
+    """Submit every prompt, step until all are done: (tokens, logits rows) per prompt."""
+    slots = [engine.submit(p, params[i], budgets[i], seed=seeds[i]) for i, p in enumerate(prompts)]
+    tokens, rows = {s: [] for s in slots}, {s: [] for s in slots}
+    while engine.has_work():
+        for slot, event in engine.step().items():
+            tokens[slot].append(event.token)
+            rows[slot].append(engine.last_logits[slot])
+    return [tokens[s] for s in slots], [rows[s] for s in slots]
+
+
+def test_device_sampling_is_the_reference_on_the_steps_logits(case):
+    """12 sequences, each with its own parameters (ROW_SAMPLING: greedy, penalties above and below 1,
+    temperature, top-k, top-p, min-p) and seed, through the engine with the logits kept: every token is
+    sample() of its step's logits row with the prompt and the tokens so far as history and its seed's
+    next draw. Exact: the device sampler on the very logits, one rng.random() per token."""
+    q4_only(case)
+    from tinyinfer.runtime.cuda_batch import BatchEngine
+
+    rng = np.random.default_rng(13)
+    lengths = [1, 20, 3, 45, 8, 2, 30, 12, 5, 60, 9, 17]
+    prompts = [rng.integers(0, case["model"].config["vocab_size"], n) for n in lengths]
+    params = [ROW_SAMPLING[i % len(ROW_SAMPLING)] for i in range(len(prompts))]
+    budgets = [12 - i % 4 for i in range(len(prompts))]
+    seeds = [300 + i for i in range(len(prompts))]
+    engine = BatchEngine(case["model"].backend, slots=len(prompts), max_context=CONTEXT, keep_logits=True)
+    try:
+        tokens, rows = run_alone_or_together(engine, prompts, params, budgets, seeds)
+    finally:
+        engine.close()
+    sampled = 0
+    for i, prompt in enumerate(prompts):
+        assert len(tokens[i]) == budgets[i]
+        draws = np.random.default_rng(seeds[i]).random(budgets[i])
+        for k, (token, logits) in enumerate(zip(tokens[i], rows[i])):
+            history = np.concatenate([prompt, np.asarray(tokens[i][:k], dtype=np.int64)])
+            expected = sample(logits, params[i], history, draws[k])
+            assert token == expected, f"prompt {i} ({params[i]}) token {k}: device {token}, reference {expected}"
+            sampled += token != int(np.argmax(logits))
+    assert sampled, "no token differs from its logits' argmax: nothing was sampled"
+
+
+def test_a_seed_gives_the_same_tokens_in_a_batch_and_alone_in_the_engine(case):
+    """8 sequences with mixed parameters (penalties included) and seeds decode together, leaving at
+    different steps (buckets 8 down to 1, all of 8 padded rows: the same GEMV plans), then each alone
+    in a fresh engine: the same tokens, every one of them. A row's logits depend on nothing else in a
+    step of the same padded size, and each prompt (all together under one prefill chunk) is prefilled
+    in one call either way, so the batch changes nothing a sequence samples from."""
+    q4_only(case)
+    from tinyinfer.runtime.cuda_batch import BatchEngine
+
+    backend = case["model"].backend
+    rng = np.random.default_rng(17)
+    lengths = [1, 7, 30, 64, 5, 100, 2, 12]
+    prompts = [rng.integers(0, case["model"].config["vocab_size"], n) for n in lengths]
+    params = [ROW_SAMPLING[(i + 1) % len(ROW_SAMPLING)] for i in range(len(prompts))]
+    budgets = [6 + i for i in range(len(prompts))]
+    seeds = [500 + i for i in range(len(prompts))]
+    engine = BatchEngine(backend, slots=len(prompts), max_context=CONTEXT, keep_logits=True)
+    try:
+        together, together_rows = run_alone_or_together(engine, prompts, params, budgets, seeds)
+    finally:
+        engine.close()
+    engine = BatchEngine(backend, slots=1, max_context=CONTEXT, keep_logits=True)
+    try:
+        for i, prompt in enumerate(prompts):
+            (alone,), (alone_rows,) = run_alone_or_together(engine, [prompt], [params[i]], [budgets[i]], [seeds[i]])
+            difference = max(float(np.abs(a - b).max()) for a, b in zip(alone_rows, together_rows[i]))
+            print(f"prompt {i}: logits alone vs together differ by at most {difference:.2e}")
+            assert alone == together[i], f"prompt {i} ({params[i]}): alone {alone}, in the batch {together[i]}"
+    finally:
+        engine.close()
 
 
 def test_engine_refusals(case, monkeypatch):

@@ -298,3 +298,27 @@ def test_kernel_compiles_with_nvrtc(name, cc):
         pytest.fail(nvrtc.getProgramLog(program)[-3000:])
     for expression in expressions:
         assert nvrtc.getLoweredName(program, expression)
+
+
+@pytest.mark.skipif(NVCC is None or CUOBJDUMP is None, reason="needs nvcc and cuobjdump")
+def test_batch_attention_prefetches_cached_rows_before_the_pdl_wait(kernel_dir):
+    """batch_attention prefetches its first pass of cached K rows into L1 (BA_UNROLL per lane) before
+    the wait, and no other kernel of batch.cu prefetches before its wait."""
+    source = kernel_dir / "check_batch_attention.cu"
+    source.write_text(wrapper("batch.cu"))
+    cubin = kernel_dir / "batch_attention.cubin"
+    subprocess.run([NVCC, "-std=c++17", "-arch=sm_90a", "-cubin", "-I", str(kernel_dir), "-o", str(cubin), str(source)],
+                   check=True, capture_output=True, timeout=600)
+    sass = subprocess.run([CUOBJDUMP, "-sass", str(cubin)], check=True, capture_output=True, text=True).stdout
+    unroll = int(re.search(r"#define BA_UNROLL (\d+)", source_text("batch.cu")).group(1))
+    prefetches, function, waited = {}, None, False
+    for line in sass.splitlines():
+        if "Function :" in line:
+            function, waited = line.split("Function :")[1].strip(), False
+            prefetches[function] = 0
+        elif function and "ACQBULK" in line:
+            waited = True
+        elif function and not waited and "CCTL.E.PF1" in line:
+            prefetches[function] += 1
+    assert prefetches and all(count == (unroll if function == "batch_attention" else 0)
+                              for function, count in prefetches.items()), prefetches
