@@ -1,6 +1,7 @@
 """Benchmark `tinyrun serve`: N concurrent streams through the official openai client.
 
     python examples/bench_serve.py MODEL.tinf --streams 1 4 --tokens 256          # starts the server itself
+    python examples/bench_serve.py MODEL.tinf --streams 1 8 32 --parallel 1       # ... one request at a time
     python examples/bench_serve.py --url http://127.0.0.1:8080 --streams 1 4      # a server already running
 
 For each stream count it reports the aggregate decode tok/s (completion tokens of all streams over the
@@ -8,8 +9,9 @@ wall time), the time to first token (p50/p99) and the inter-token latency (p50/p
 streamed chunks). Given MODEL, it first runs `tinyrun MODEL --bench TOKENS` (the engine alone, same
 prompt length) and prints the server's single-stream decode rate beside it, with the overhead.
 The prompt is the --bench prompt: the same text, tokenized by the server, cut to --prompt-len ids.
-The serial engine serves one stream at a time, so with several streams the time to first token
-includes the wait in the queue.
+--parallel N is passed to `tinyrun serve` (its default: batched decoding with as many sequences as
+fit on the GPU; 1: the serial engine). Streams beyond the server's parallel sequences wait in its
+queue, so their time to first token includes that wait.
 """
 
 from __future__ import annotations
@@ -52,11 +54,13 @@ def engine_bench(model: str, tokens: int, device: str) -> float:
         return json.loads(out.read_text())["tok_s"]
 
 
-def start_server(model: str, device: str, ctx_size: int | None) -> tuple[subprocess.Popen, str]:
+def start_server(model: str, device: str, ctx_size: int | None, parallel: int | None) -> tuple[subprocess.Popen, str]:
     port = free_port()
     command = [tinyrun(), "serve", model, "--port", str(port), "--device", device]
     if ctx_size:
         command += ["--ctx-size", str(ctx_size)]
+    if parallel is not None:
+        command += ["--parallel", str(parallel)]
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 600
@@ -155,19 +159,25 @@ def main(argv=None) -> int:
     parser.add_argument("--requests", type=int, default=3, help="requests per stream, one after another")
     parser.add_argument("--device", default="cuda", choices=("auto", "cpu", "cuda"))
     parser.add_argument("--ctx-size", type=int, help="passed to tinyrun serve")
+    parser.add_argument("--parallel", type=int, metavar="N",
+                        help="passed to tinyrun serve: sequences decoded together (default: the server's)")
     parser.add_argument("--no-engine-bench", action="store_true", help="skip the `tinyrun --bench` comparison")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)
     if bool(args.model) == bool(args.url):
         parser.error("give a MODEL file or --url, not both")
+    if args.parallel is not None and not args.model:
+        parser.error("--parallel is passed to the server this script starts; with --url, set it on that server")
     import openai
 
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
-    result = {"model": args.model or args.url, "tokens": args.tokens, "prompt_len": args.prompt_len}
+    result = {"model": args.model or args.url, "tokens": args.tokens, "prompt_len": args.prompt_len,
+              "parallel": args.parallel}
     if args.model and not args.no_engine_bench:
         result["engine_bench_tok_s"] = engine_bench(args.model, args.tokens, args.device)
         print(f"tinyrun --bench {args.tokens}: {result['engine_bench_tok_s']} tok/s", file=sys.stderr)
-    process, url = start_server(args.model, args.device, args.ctx_size) if args.model else (None, args.url)
+    process, url = (start_server(args.model, args.device, args.ctx_size, args.parallel) if args.model
+                    else (None, args.url))
     try:
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=600)
         model_id = client.models.list().data[0].id

@@ -2,7 +2,7 @@
 owns the Model, with the events of each request handed to an asyncio caller.
 
 The interface (runtime/README.md, "The serving engine") is what the HTTP server uses, so another
-engine (batching several sequences on one GPU) can stand behind it unchanged:
+engine (batch_serving.BatchedEngine: several sequences on one GPU) stands behind it unchanged:
     engine.start()                      load the model on the worker thread (engine.ready says when)
     engine.submit(GenerationRequest)    -> Generation: async iterator of Chunk, then one Finished
     generation.cancel()                 takes effect at the request's next token (or before it starts)
@@ -70,6 +70,20 @@ class EngineStats:
     def tokens_per_s(self) -> float:
         return self.completion_tokens / self.generation_seconds if self.generation_seconds > 0 else 0.0
 
+    def record(self, outcome, seconds: float = 0.0) -> None:
+        """Count a request's outcome (its Finished event, or the exception that ended it)."""
+        if isinstance(outcome, Finished):
+            self.requests[outcome.finish_reason or "cancelled"] += 1
+            self.prompt_tokens += outcome.prompt_tokens
+            self.reused_prompt_tokens += outcome.reused_tokens
+            self.completion_tokens += outcome.completion_tokens
+        else:
+            self.requests["error"] += 1
+        self.generation_seconds += seconds
+
+    def snapshot(self) -> "EngineStats":
+        return EngineStats(**{**self.__dict__, "requests": dict(self.requests)})
+
 
 _END = object()   # sentinel after the Finished event (or an exception) in a Generation's queue
 
@@ -96,6 +110,11 @@ class Generation:
         except RuntimeError:   # the caller's loop is closed: nobody is left to read
             self.cancel()
 
+    def end(self, outcome) -> None:
+        """From the engine's thread: the last event (Finished, or the exception that ended it)."""
+        self.push(outcome)
+        self.push(_END)
+
     def __aiter__(self):
         return self
 
@@ -113,6 +132,8 @@ class SerialEngine:
     """Serves one request at a time, in arrival order, with the model's KV-cache prefix reuse
     across requests (Model.reusable_prefix): a request that shares a prefix with the previous
     sequence prefills only the rest."""
+
+    parallel = 1     # sequences generated at once (for the server's log line)
 
     def __init__(self, load_model: Callable[[], object]):
         self._load_model = load_model
@@ -146,7 +167,7 @@ class SerialEngine:
 
     def stats(self) -> EngineStats:
         with self._stats_lock:
-            snapshot = EngineStats(**{**self._stats.__dict__, "requests": dict(self._stats.requests)})
+            snapshot = self._stats.snapshot()
         with self._wakeup:
             snapshot.queue_depth = sum(not g.cancelled.is_set() for g in self._waiting)
         return snapshot
@@ -166,20 +187,32 @@ class SerialEngine:
     def _run(self) -> None:
         try:
             self.model = self._load_model()
+            self._prepare(self.model)
         except BaseException as e:   # reported by the server (health, the CLI's one line)
             self.load_error = e
+            if self.model is not None:
+                self.model.close()
+                self.model = None
             self.ready.set()
             return
         self.ready.set()
         try:
-            while (generation := self._next()) is not None:
-                self._serve(generation)
-                with self._wakeup:
-                    self._current = None
-                del generation      # a finished request is not kept alive until the next one comes
+            self._serve_requests()
         finally:
+            with self._wakeup:       # whatever ended the loop, later submits are refused, not left waiting
+                self._closing = True
             self._cancel_waiting()
             self.model.close()
+
+    def _prepare(self, model) -> None:
+        """Set up what serving needs beside the model, on this thread, before `ready` (subclasses)."""
+
+    def _serve_requests(self) -> None:
+        while (generation := self._next()) is not None:
+            self._serve(generation)
+            with self._wakeup:
+                self._current = None
+            del generation      # a finished request is not kept alive until the next one comes
 
     def _next(self) -> Generation | None:
         with self._wakeup:
@@ -217,15 +250,6 @@ class SerialEngine:
 
     def _finish(self, generation: Generation, outcome, seconds: float) -> None:
         with self._stats_lock:
-            s = self._stats
-            s.running = 0
-            if isinstance(outcome, Finished):
-                s.requests[outcome.finish_reason or "cancelled"] += 1
-                s.prompt_tokens += outcome.prompt_tokens
-                s.reused_prompt_tokens += outcome.reused_tokens
-                s.completion_tokens += outcome.completion_tokens
-            else:
-                s.requests["error"] += 1
-            s.generation_seconds += seconds
-        generation.push(outcome)
-        generation.push(_END)
+            self._stats.running = 0
+            self._stats.record(outcome, seconds)
+        generation.end(outcome)

@@ -495,16 +495,17 @@ def listening_socket(host: str, port: int) -> socket.socket:
 
 
 def serve(path, names: tuple[str, ...], host: str, port: int, ctx_size: int | None, device: str,
-          log_level: str = "info") -> None:
+          log_level: str = "info", parallel: int | None = None) -> None:
     """Serve the .tinf file at path until interrupted; the model loads while the server already answers
-    (503 until it is ready), and a model that fails to load stops the server with its error."""
+    (503 until it is ready), and a model that fails to load stops the server with its error.
+    parallel: sequences decoded together (batch_serving.serving_engine; None: as many as fit)."""
     import uvicorn
 
     from tinyinfer.runtime import load
-    from tinyinfer.runtime.engine import SerialEngine
+    from tinyinfer.runtime.batch_serving import serving_engine
 
     sock = listening_socket(host, port)
-    engine = SerialEngine(lambda: load(path, device=device, max_context=ctx_size or None))
+    engine = serving_engine(lambda: load(path, device=device, max_context=ctx_size or None), device, parallel)
     app = create_app(engine, names, created=int(path.stat().st_mtime))
     # On Ctrl-C, open streams get a few seconds to end before they are cut.
     server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5))
@@ -515,9 +516,10 @@ def serve(path, names: tuple[str, ...], host: str, port: int, ctx_size: int | No
             server.should_exit = True
             return
         backend = "CUDA" if "Cuda" in type(engine.model.backend).__name__ else "CPU (NumPy backend)"
+        sequences = f"{engine.parallel} sequences at once" if engine.parallel > 1 else "one request at a time"
         logging.getLogger("uvicorn.error").info(
-            "%s loaded on the %s, context %d tokens: serving the OpenAI API at http://%s:%d/v1", names[0],
-            backend, engine.model.max_context, host, sock.getsockname()[1])
+            "%s loaded on the %s, context %d tokens, %s: serving the OpenAI API at http://%s:%d/v1", names[0],
+            backend, engine.model.max_context, sequences, host, sock.getsockname()[1])
 
     threading.Thread(target=stop_if_load_fails, daemon=True).start()
     server.run(sockets=[sock])

@@ -1,11 +1,13 @@
 """`tinyrun serve` on the CUDA backend: the engine's thread owns the graphs and streams, concurrent
-greedy clients get the library's answer, and a stream dropped while decode steps are queued ahead
-(LOOKAHEAD) leaves the cache consistent for the next request. (The CPU path: test_server.py.)"""
+greedy clients get the library's answer, a stream dropped while decode steps are queued ahead
+(LOOKAHEAD) leaves the cache consistent for the next request, and `--parallel 4` (batched decoding)
+gives each prompt the serial engine's text. (The CPU path: test_server.py, test_batch_serving.py.)"""
 
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
 import pytest
 
 pytest.importorskip("fastapi")
@@ -14,9 +16,13 @@ pytest.importorskip("uvicorn")
 
 from serve_helpers import DEADLINE_S, running_server, streamed, wait_until_idle  # noqa: E402
 
+from tinyinfer.kernels import prefill as prefill_k  # noqa: E402
 from tinyinfer.runtime import load  # noqa: E402
+from tinyinfer.runtime.batch_serving import BatchedEngine, serving_engine  # noqa: E402
 from tinyinfer.runtime.bench import tinf_config, write_random_model  # noqa: E402
 from tinyinfer.runtime.engine import SerialEngine  # noqa: E402
+from tinyinfer.runtime.numpy_backend import NumpyBackend  # noqa: E402
+from tinyinfer.runtime.sampling import SamplingParams  # noqa: E402
 from tinyinfer.runtime.server import create_app  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -87,3 +93,78 @@ def test_dropped_stream_leaves_the_cache_consistent(served, reference):
         # The next request shares the dropped one's prefix, so it runs on the cache that stream left.
         follow = PROMPTS[0] + " w5 w6"
         assert ask(client, follow, 20, stream=False) == answer(reference, follow, 20)
+
+
+
+def batched_alone(model, ids: list[int], n: int) -> list[int]:
+    """A prompt's greedy tokens through the batched kernels in a batch of its own."""
+    from tinyinfer.runtime.cuda_batch import BatchEngine, generate_batch_ids
+
+    engine = BatchEngine(model.backend, slots=1)
+    try:
+        return generate_batch_ids(engine, [ids], [SamplingParams()], [n], [None], model.tokenizer.eos_ids)[0]
+    finally:
+        engine.close()
+
+
+def serial_tokens(model, ids: list[int], n: int) -> list[int]:
+    """A prompt's greedy tokens through the batch-1 backend, as Model.generate takes them (to an
+    end-of-sequence id included)."""
+    model.cached_ids = []                      # the backend's cache is overwritten below
+    tokens = []
+    for token in model.backend.generate_ids(ids, 0, SamplingParams(), n, np.random.default_rng(0)):
+        tokens.append(token)
+        if token in model.tokenizer.eos_ids:
+            break
+    model.cached_ids = []
+    return tokens
+
+
+def as_served(model, ids: list[int], tokens: list[int]) -> tuple[str, str]:
+    """(text, finish_reason) the server makes of a greedy request's tokens (no stop strings)."""
+    ended = bool(tokens) and tokens[-1] in model.tokenizer.eos_ids
+    detok = model.tokenizer.stream(prefix_ids=ids)
+    return "".join(detok.step(t) for t in tokens[: len(tokens) - ended]) + detok.flush(), "stop" if ended else "length"
+
+
+def test_parallel_4_gives_each_prompt_the_serial_text(model_path, served, reference):
+    """The engine of `tinyrun serve --parallel 4`: six concurrent greedy requests, streamed and not,
+    two of them waiting for a slot. Each gets exactly the text of its prompt decoded by the batched
+    kernels alone (a row's logits do not depend on the other rows of a step of 8 or fewer), and that
+    is the serial engine's text, or both follow their logits' argmax until a near tie (the batched
+    and the batch-1 GEMV round differently; prefill_k.NEAR_TIE, as test_batch_gpu.py's bound)."""
+    _, serial = served
+    prompts = PROMPTS + ["w9 w10 w11 w12 w13 w14 w15 w16", "w31000 w2"]
+    jobs = [(prompt, 24 + 9 * i, i % 2 == 1) for i, prompt in enumerate(prompts)]
+    alone = [ask(serial, *job) for job in jobs]
+    engine = serving_engine(lambda: load(model_path, device="cuda"), "cuda", 4)
+    with running_server(create_app(engine, ("m",))) as url:
+        assert engine.ready.wait(300) and engine.load_error is None, engine.load_error
+        assert type(engine) is BatchedEngine and engine.parallel == 4
+        busy, step = [], engine.batch.step
+
+        def counted_step():               # the slots in use at each step (on the engine's thread)
+            busy.append(len(engine.batch.active_slots()))
+            return step()
+
+        engine.batch.step = counted_step
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=DEADLINE_S)
+        with ThreadPoolExecutor(len(jobs)) as pool:
+            together = list(pool.map(lambda job: ask(client, *job), jobs, timeout=DEADLINE_S))
+        wait_until_idle(url)
+    print(f"slots in use per step: up to {max(busy)}, {len(busy)} steps")
+    assert max(busy) > 1, "the requests were never decoded together"
+    numpy_reference = NumpyBackend(reference.tinf, max_context=reference.max_context)
+    for (prompt, n, _), got, serial_answer in zip(jobs, together, alone):
+        ids = reference.prompt_ids(prompt)
+        batched, single = batched_alone(reference, ids, n), serial_tokens(reference, ids, n)
+        assert got == as_served(reference, ids, batched), prompt
+        assert serial_answer == as_served(reference, ids, single), prompt
+        k = next((k for k, (a, b) in enumerate(zip(batched, single)) if a != b), None)
+        if k is None:
+            assert got == serial_answer, prompt
+            continue
+        logits = numpy_reference.forward(np.asarray(ids + single[:k]), 0)[-1:]
+        shortfall = [float(prefill_k.argmax_shortfall(logits, np.array([t]))[0]) for t in (batched[k], single[k])]
+        print(f"{prompt!r}: the batched and serial tokens part at token {k}, {shortfall} rms below the best")
+        assert max(shortfall) <= prefill_k.NEAR_TIE, f"{prompt!r}: token {k} differs beyond a near tie"
