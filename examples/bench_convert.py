@@ -15,46 +15,21 @@ import argparse
 import json
 import os
 import resource
-import shutil
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from bench_random import SHAPES, write_bf16_safetensors
+from bench_random import SHAPES, write_random_checkpoint
 
 ASSETS = Path(os.environ.get("TINYINFER_SHARED", Path(__file__).resolve().parents[2] / "shared")) / "assets"
 
 
 def write_checkpoint(folder: Path, shape: str) -> None:
-    import numpy as np
-
-    from tinyinfer.runtime.bench import synthetic_tokenizer
-
-    folder.mkdir(parents=True, exist_ok=True)
-    hf = SHAPES[shape]
-    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
-              "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "bfloat16", **hf}
-    (folder / "config.json").write_text(json.dumps(config))
     real = ASSETS / "tinyllama-1.1b-chat-v1.0"
-    if real.is_dir() and hf["vocab_size"] == 32000:
-        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-            shutil.copy(real / name, folder / name)
-    else:
-        (folder / "tokenizer.json").write_text(synthetic_tokenizer(hf["vocab_size"])["tokenizer_json"])
-        (folder / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
-    dim, ffn, vocab = hf["hidden_size"], hf["intermediate_size"], hf["vocab_size"]
-    kv = hf["num_key_value_heads"] * dim // hf["num_attention_heads"]
-    shapes = {"model.embed_tokens.weight": (vocab, dim), "model.norm.weight": (dim,), "lm_head.weight": (vocab, dim)}
-    for i in range(hf["num_hidden_layers"]):
-        p = f"model.layers.{i}."
-        shapes.update({p + "input_layernorm.weight": (dim,), p + "post_attention_layernorm.weight": (dim,),
-                       p + "self_attn.q_proj.weight": (dim, dim), p + "self_attn.k_proj.weight": (kv, dim),
-                       p + "self_attn.v_proj.weight": (kv, dim), p + "self_attn.o_proj.weight": (dim, dim),
-                       p + "mlp.gate_proj.weight": (ffn, dim), p + "mlp.up_proj.weight": (ffn, dim),
-                       p + "mlp.down_proj.weight": (dim, ffn)})
-    write_bf16_safetensors(folder / "model.safetensors", shapes, np.random.default_rng(0))
+    use_real = real.is_dir() and SHAPES[shape]["vocab_size"] == 32000
+    write_random_checkpoint(folder, SHAPES[shape], real if use_real else None)
 
 
 def main(argv=None) -> int:

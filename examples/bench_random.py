@@ -83,21 +83,34 @@ def main(argv=None) -> int:
 
 def write_via_checkpoint(path: Path, hf_config: dict, quant: str, group: int, tmp: Path) -> None:
     """Random bf16 safetensors + config + tokenizer in HF layout, then tinyinfer's converter."""
-    import numpy as np
-
     from tinyinfer.convert.pipeline import convert_checkpoint
-    from tinyinfer.runtime.bench import synthetic_tokenizer
 
     folder = tmp / "checkpoint"
-    folder.mkdir()
+    write_random_checkpoint(folder, hf_config)
+    convert_checkpoint(str(folder), path, quant=quant, group_size=group, progress=True)
+
+
+def write_random_checkpoint(folder: Path, hf_config: dict, tokenizer_from: Path | None = None) -> None:
+    """A Llama checkpoint in Hugging Face's layout with random bf16 weights of hf_config's shapes: its
+    config.json, the tokenizer files of tokenizer_from (else a synthetic tokenizer), model.safetensors."""
+    import shutil
+
+    import numpy as np
+
+    from tinyinfer.runtime.bench import synthetic_tokenizer
+
+    folder.mkdir(parents=True, exist_ok=True)
     config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
               "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "bfloat16",
               **hf_config}
     (folder / "config.json").write_text(json.dumps(config))
-    (folder / "tokenizer.json").write_text(synthetic_tokenizer(config["vocab_size"])["tokenizer_json"])
-    (folder / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>",
-                                                              "unk_token": "<unk>"}))
-    rng = np.random.default_rng(0)
+    if tokenizer_from is not None:
+        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+            shutil.copy(tokenizer_from / name, folder / name)
+    else:
+        (folder / "tokenizer.json").write_text(synthetic_tokenizer(config["vocab_size"])["tokenizer_json"])
+        (folder / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>",
+                                                                  "unk_token": "<unk>"}))
     dim, ffn, vocab = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
     hd = dim // config["num_attention_heads"]
     kv = config["num_key_value_heads"] * hd
@@ -109,8 +122,7 @@ def write_via_checkpoint(path: Path, hf_config: dict, quant: str, group: int, tm
                        p + "self_attn.v_proj.weight": (kv, dim), p + "self_attn.o_proj.weight": (dim, dim),
                        p + "mlp.gate_proj.weight": (ffn, dim), p + "mlp.up_proj.weight": (ffn, dim),
                        p + "mlp.down_proj.weight": (dim, ffn)})
-    write_bf16_safetensors(folder / "model.safetensors", shapes, rng)
-    convert_checkpoint(str(folder), path, quant=quant, group_size=group, progress=True)
+    write_bf16_safetensors(folder / "model.safetensors", shapes, np.random.default_rng(0))
 
 
 def write_bf16_safetensors(path: Path, shapes: dict, rng) -> None:
