@@ -1,6 +1,14 @@
 """SmolLM2-135M-Instruct converted from its GGUF file, on the GPU: CUDA logits against the NumPy
-reference at 64 positions (||gpu - ref|| / ||ref|| <= 1e-3, argmax equal except near ties) and
-the same greedy answer. Needs ../shared (or TINYINFER_SHARED) and a GPU."""
+reference at 64 positions (argmax equal except near ties, relative error within the bound below) and
+the same greedy answer. Needs ../shared (or TINYINFER_SHARED) and a GPU.
+
+Why the bound is 2e-2 (f16) and 3e-2 (default) here and 1e-3 on random weights: the prefill rounds
+its activations, K/V and probabilities to fp16 (kernels/README.md "Prefill"), each rounding adds
+about 2e-4 locally on any model, and this trained model amplifies that 10-40x (attention scores up to
+77, a residual channel near 25,000). An exact NumPy emulation of the kernels' roundings gives the same
+error as the GPU (5.4e-3 f16 and 2.1e-2 default on this prompt; 9e-3 and 2.7e-2 at worst over 32
+fp32 summation orders), and transformers itself, run in fp16 on the CPU, is 1.9e-2 from its fp32
+logits on the same prompt. Only an fp32-equivalent prefill reaches 1e-3."""
 
 from __future__ import annotations
 
@@ -13,6 +21,7 @@ from tinyinfer.runtime import load
 pytestmark = pytest.mark.gpu
 FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+BOUND = {"f16": 2e-2, "default": 3e-2}
 
 
 @pytest.fixture(scope="module", params=["f16", None], ids=["f16", "default"])
@@ -36,7 +45,7 @@ def test_cuda_logits_match_the_numpy_reference(models):
     mismatch = gpu.argmax(-1) != reference.argmax(-1)
     print(f"SmolLM2 {label} CUDA vs NumPy: max relative {errors.max():.2e}, max abs "
           f"{np.abs(gpu - reference).max():.3g}, argmax agreement {1 - mismatch.mean():.3f}")
-    assert len(ids) == 64 and errors.max() <= 1e-3
+    assert len(ids) == 64 and errors.max() <= BOUND[label]
     assert not np.any(mismatch & ~near_tie)
 
 
