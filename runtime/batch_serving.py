@@ -6,7 +6,7 @@ over a cuda_batch.BatchEngine owned by one thread, which loops:
     take the waiting requests into free slots (first come first; the rest wait)
     -> free the slots of cancelled requests -> step() -> each token to its request's stream
 
-A request's text comes from its tokens by Model._stream's rules (TokenText), so a batched stream
+A request's text comes from its tokens as in Model._stream (model.TokenText), so a batched stream
 reads as a serial one: the same Chunk / Finished events, stop strings held back and never emitted,
 the same finish_reason and usage counts. Where the loaded model cannot decode in batches (the CPU
 backend, a model the batched kernels refuse, a default slot count that does not fit), the engine
@@ -24,7 +24,7 @@ from typing import Callable
 
 from tinyinfer.runtime.engine import Chunk, Finished, Generation, SerialEngine
 from tinyinfer.runtime.errors import DeviceError
-from tinyinfer.runtime.model import StopStrings
+from tinyinfer.runtime.model import StopStrings, TokenText
 
 # cuda_batch.MAX_SLOTS, named here so that the CLI checks --parallel without importing the kernels
 # (tests/test_batch_serving.py holds the two equal).
@@ -73,28 +73,6 @@ def serving_engine(load_model: Callable[[], object], device: str, parallel: int 
                    "on the CPU.")
         return SerialEngine(load_model)
     return BatchedEngine(load_model, parallel, notice=notice)
-
-
-class TokenText:
-    """One request's text from its tokens, by Model._stream's rules: an end-of-sequence id ends it
-    (flushing what the detokenizer held back), a stop string ends it (and is not emitted), text that
-    could begin a stop string waits for the next token."""
-
-    def __init__(self, tokenizer, prompt_ids, stop):
-        self._detok = tokenizer.stream(prefix_ids=prompt_ids)
-        self._stops = StopStrings(stop)
-        self._eos = tokenizer.eos_ids
-
-    def push(self, token: int) -> tuple[str, bool]:
-        """(text to emit, whether the generation ends here: an end-of-sequence id or a stop string)."""
-        if token in self._eos:
-            return self.flush(), True
-        return self._stops.push(self._detok.step(token))
-
-    def flush(self) -> str:
-        """The text held back, at the end (the token budget, or an end-of-sequence id)."""
-        text, stopped = self._stops.push(self._detok.flush())
-        return text if stopped else text + self._stops.flush()
 
 
 @dataclass
@@ -199,7 +177,7 @@ class BatchedEngine(SerialEngine):
         tokenizer = self.model.tokenizer
         before = set(self.batch.active_slots())
         try:
-            text = TokenText(tokenizer, request.prompt_ids, request.stop)
+            text = TokenText(tokenizer, request.prompt_ids, StopStrings(request.stop))
             slot = self.batch.submit(request.prompt_ids, request.params, request.max_tokens, seed=request.seed,
                                      stop_ids=tokenizer.eos_ids)
         except Exception as e:                   # a request the server's checks let through, refused here

@@ -121,6 +121,28 @@ class StopStrings:
         return out
 
 
+class TokenText:
+    """A generation's text from its tokens: an end-of-sequence id ends it (flushing what the
+    detokenizer held back), a stop string ends it (and is not emitted), text that could begin a stop
+    string waits for the next token."""
+
+    def __init__(self, tokenizer, prompt_ids, stops: StopStrings):
+        self._detok = tokenizer.stream(prefix_ids=prompt_ids)
+        self._stops = stops
+        self._eos = tokenizer.eos_ids
+
+    def push(self, token: int) -> tuple[str, bool]:
+        """(text to emit, whether the generation ends here: an end-of-sequence id or a stop string)."""
+        if token in self._eos:
+            return self.flush(), True
+        return self._stops.push(self._detok.step(token))
+
+    def flush(self) -> str:
+        """The text held back, at the end (the token budget, or an end-of-sequence id)."""
+        text, stopped = self._stops.push(self._detok.flush())   # held back for an incomplete character
+        return text if stopped else text + self._stops.flush()
+
+
 class Model:
     def __init__(self, tinf, backend, tokenizer: Tokenizer):
         self.tinf = tinf
@@ -291,7 +313,7 @@ class Model:
         return min(common, len(ids) - 1)
 
     def _stream(self, ids, params, n_new, rng, stops: StopStrings, cancelled=None) -> Iterator[str]:
-        detok = self.tokenizer.stream(prefix_ids=ids)
+        text_of = TokenText(self.tokenizer, ids, stops)
         reuse = self.reusable_prefix(ids, params)
         stats = self.last_stats = {"prompt_tokens": len(ids), "reused_tokens": reuse, "new_tokens": 0,
                                    "stop_reason": "max_tokens"}
@@ -308,20 +330,17 @@ class Model:
                     check_token_ids([token], self.config["vocab_size"])
                 generated.append(token)
                 stats["new_tokens"] += 1
-                if token in self.tokenizer.eos_ids:
-                    stats["stop_reason"] = "eos"
-                    break
-                text, stopped = stops.push(detok.step(token))
+                text, ended = text_of.push(token)
+                if ended:
+                    stats["stop_reason"] = "eos" if token in self.tokenizer.eos_ids else "stop_string"
                 if text:
                     yield text
-                if stopped:
-                    stats["stop_reason"] = "stop_string"
+                if ended:
                     return
                 if cancelled is not None and cancelled():
                     stats["stop_reason"] = "cancelled"
                     return
-            text, stopped = stops.push(detok.flush())   # text held back for an incomplete character
-            tail = text if stopped else text + stops.flush()
+            tail = text_of.flush()
             if tail:
                 yield tail
         except GeneratorExit:     # the caller stopped reading: the cache is still consistent
