@@ -86,5 +86,16 @@ def wait_until_idle(url: str) -> dict[str, float]:
         time.sleep(0.02)
 
 
+def wait_for_health(process, url: str) -> None:
+    """Poll a `tinyrun serve` subprocess's /health until it answers 200, within DEADLINE_S."""
+    deadline = time.monotonic() + DEADLINE_S
+    while True:
+        assert process.poll() is None and time.monotonic() < deadline, "tinyrun serve did not come up"
+        with contextlib.suppress(OSError):
+            if get(url + "/health")[0] == 200:
+                return
+        time.sleep(0.05)
+
+
 def finished_requests(m: dict) -> float:
     return sum(v for k, v in m.items() if k.startswith("tinyinfer_requests_total"))

@@ -19,7 +19,7 @@ pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 pytest.importorskip("uvicorn")
 
-from serve_helpers import DEADLINE_S, get, running_server, streamed, wait_until_idle  # noqa: E402
+from serve_helpers import DEADLINE_S, running_server, streamed, wait_for_health, wait_until_idle  # noqa: E402
 from tinf_samples import RUNNABLE_CONFIG  # noqa: E402
 
 from tinyinfer.runtime import load  # noqa: E402
@@ -419,13 +419,7 @@ def test_parallel_on_the_cpu_serves_with_a_note(model_path, reference):
     try:
         url = f"http://127.0.0.1:{port}"
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=DEADLINE_S)
-        deadline = time.monotonic() + DEADLINE_S
-        while True:
-            assert process.poll() is None and time.monotonic() < deadline, "tinyrun serve did not come up"
-            with contextlib.suppress(OSError):
-                if get(url + "/health")[0] == 200:
-                    break
-            time.sleep(0.05)
+        wait_for_health(process, url)
         wait_for(lambda: any("serving the OpenAI API" in line for line in lines), "the server's ready line")
         text, finish, _ = expected(reference, "w3 w4", max_tokens=8, temperature=0)
         assert ask(client, "w3 w4", max_tokens=8, temperature=0)[:2] == (text, finish)

@@ -21,7 +21,7 @@ openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
 
 from serve_helpers import (DEADLINE_S, finished_requests, get, metrics, post, running_server,  # noqa: E402
-                           streamed, wait_until_idle)
+                           streamed, wait_for_health, wait_until_idle)
 from tinf_samples import RUNNABLE_CONFIG  # noqa: E402
 
 from tinyinfer.runtime import load  # noqa: E402
@@ -417,13 +417,7 @@ def test_tinyrun_serve_answers_then_stops_on_interrupt(model_path, reference):
                                 "--ctx-size", "64"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + DEADLINE_S
-        while True:
-            assert process.poll() is None and time.monotonic() < deadline, "tinyrun serve did not come up"
-            with contextlib.suppress(OSError):
-                if get(url + "/health")[0] == 200:
-                    break
-            time.sleep(0.1)
+        wait_for_health(process, url)
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=DEADLINE_S)
         assert [m.id for m in client.models.list().data] == [model_path.stem]
         text, finish, _ = expected(reference, "w3 w4", max_tokens=8, temperature=0)
