@@ -107,7 +107,7 @@ def bench_shape(shape: str, streams: list[int], prompt_len: int, n_tokens: int, 
             est_ms = {k: round(v / (peak * 1e9) * 1e3, 3) for k, v in moved.items()}
             profile = {k: round(v, 3) for k, v in sorted(run["profile_ms"].items(), key=lambda kv: -kv[1])}
             kinds = {"GEMVs (weights)": sum(v for k, v in profile.items() if k.startswith("gemv")),
-                     "attention (KV rows)": profile.get("batch_attention", 0.0)}
+                     "attention (KV rows)": sum(v for k, v in profile.items() if k.startswith("batch_attention"))}
             kinds["other kernels"] = sum(profile.values()) - sum(kinds.values())
             kinds["host and launch gaps"] = max(0.0, step_ms - sum(profile.values()))
             row = {"streams": n, "aggregate_tok_s": round(n * len(steps) / sum(steps), 1),

@@ -369,7 +369,7 @@ extern "C" __global__ void __launch_bounds__(64) batch_rope_store(
 }
 
 #define BA_MAX_GROUP 8     // query heads per KV head that batch_attention handles in one block
-#define BA_WARPS 8         // warps of a batch_attention block
+#define BA_WARPS 8         // warps of a batch_attention block (batch_attention_wide: 2 * BA_WARPS)
 #define BA_UNROLL 4        // key rows whose 16-byte pieces each lane has in flight at once
 
 // Eight fp16 of a 16-byte piece as floats.
@@ -383,7 +383,7 @@ TI_DEVICE void unpack_halves8(uint4 raw, float (&f)[8]) {
     }
 }
 
-// One (KV head, row) per block (grid (n_kv, B), block BA_WARPS warps): for each of the KV head's
+// One (KV head, row) per block (grid (n_kv, B), block WARPS warps): for each of the KV head's
 // `group` query heads, softmax(q K^T) V over the row's slot, cache rows first_key(pos, window)..pos,
 // in float32 from the fp16 cache, so each K and V row is read once for the whole group.
 // A key row is hd / 8 pieces of 16 bytes, one per lane of a lane group (lanes_per_key: hd / 8
@@ -393,15 +393,16 @@ TI_DEVICE void unpack_halves8(uint4 raw, float (&f)[8]) {
 // the group), summed over the lane group by shuffles, kept in shared memory; softmax over them by
 // the whole block; p . V: each lane adds p times its piece of V rows into 8 columns per head, the
 // lane groups of a warp are added by shuffles and the warps in shared memory, in a fixed order.
-// Dynamic shared memory: floats group * max_keys (scores) + BA_WARPS * group * hd (p . V of warps).
-extern "C" __global__ void __launch_bounds__(BA_WARPS * 32, 2) batch_attention(
+// Dynamic shared memory: floats group * max_keys (scores) + WARPS * group * hd (p . V of warps).
+template <int WARPS>
+TI_DEVICE void attention_row(
     const float* q, const __half* k_cache, const __half* v_cache,
     long long slot_stride, const int* __restrict__ positions, const int* __restrict__ slots,
     int n_heads, int n_kv, int hd, int window, int max_keys, __half* out, int ldo)
 {
     extern __shared__ __align__(16) float ba_smem[];
-    __shared__ float warp_best[BA_MAX_GROUP][BA_WARPS];
-    __shared__ float warp_total[BA_MAX_GROUP][BA_WARPS];
+    __shared__ float warp_best[BA_MAX_GROUP][WARPS];
+    __shared__ float warp_total[BA_MAX_GROUP][WARPS];
     const int kvh = blockIdx.x, b = blockIdx.y;
     const int group = n_heads / n_kv;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -411,13 +412,13 @@ extern "C" __global__ void __launch_bounds__(BA_WARPS * 32, 2) batch_attention(
     const int keys_per_warp = 32 / lanes_per_key;
     const int piece = lane & (lanes_per_key - 1), sub = lane / lanes_per_key;
     const bool has_piece = piece < pieces;
-    const int keys_per_round = BA_WARPS * keys_per_warp;     // one piece of a row per lane
+    const int keys_per_round = WARPS * keys_per_warp;        // one piece of a row per lane
     const int my_key = warp * keys_per_warp + sub;           // the lane's key in each round
     const int pos = positions[b];                             // (the row table: written by the host)
     const int first = window > 0 ? max(0, pos - window + 1) : 0;
     const int n_keys = pos - first + 1;
     float* scores = ba_smem;                                  // [group][max_keys]
-    float* pv = scores + group * max_keys;                    // [BA_WARPS][group][hd]
+    float* pv = scores + group * max_keys;                    // [WARPS][group][hd]
 
     const size_t row_stride = (size_t)n_kv * hd;
     const size_t base = (size_t)slots[b] * slot_stride + (size_t)first * row_stride + (size_t)kvh * hd + 8 * piece;
@@ -428,8 +429,9 @@ extern "C" __global__ void __launch_bounds__(BA_WARPS * 32, 2) batch_attention(
 #pragma unroll
         for (int u = 0; u < BA_UNROLL; ++u) {
             const int key = start + u * keys_per_round + my_key;
-            raw[u] = has_piece && key < n_keys ? *reinterpret_cast<const uint4*>(rows + (size_t)key * row_stride)
-                                               : make_uint4(0u, 0u, 0u, 0u);
+            const uint4* at = reinterpret_cast<const uint4*>(rows + (size_t)key * row_stride);
+            raw[u] = !has_piece || key >= n_keys ? make_uint4(0u, 0u, 0u, 0u)
+                     : key == n_keys - 1         ? __ldcg(at) : *at;   // the last row: never a line L1 holds
         }
     };
     // The first pass of K rows is prefetched into L1 before the wait, while the kernels before this
@@ -440,8 +442,10 @@ extern "C" __global__ void __launch_bounds__(BA_WARPS * 32, 2) batch_attention(
 #pragma unroll
     for (int u = 0; u < BA_UNROLL; ++u) {
         const int key = u * keys_per_round + my_key;
-        if (has_piece && key < n_keys - 1)
+        if (has_piece && key < n_keys - 1) {
             asm volatile("prefetch.global.L1 [%0];" :: "l"(k_rows + (size_t)key * row_stride));
+            asm volatile("prefetch.global.L1 [%0];" :: "l"(v_rows + (size_t)key * row_stride));
+        }
     }
     pdl_launch_dependents();
     pdl_wait();
@@ -506,7 +510,7 @@ extern "C" __global__ void __launch_bounds__(BA_WARPS * 32, 2) batch_attention(
     for (int g = 0; g < BA_MAX_GROUP; ++g) {
         float m = -TI_INF;
         if (g < group)
-            for (int w = 0; w < BA_WARPS; ++w) m = fmaxf(m, warp_best[g][w]);
+            for (int w = 0; w < WARPS; ++w) m = fmaxf(m, warp_best[g][w]);
         best[g] = m;
         sum[g] = 0.f;
     }
@@ -564,12 +568,33 @@ extern "C" __global__ void __launch_bounds__(BA_WARPS * 32, 2) batch_attention(
     for (int i = threadIdx.x; i < group * hd; i += blockDim.x) {
         const int g = i / hd, dd = i % hd;
         float o = 0.f, total = 0.f;
-        for (int w = 0; w < BA_WARPS; ++w) {
+        for (int w = 0; w < WARPS; ++w) {
             o += pv[(w * group + g) * hd + dd];
             total += warp_total[g][w];
         }
         out[(size_t)b * ldo + (kvh * group + g) * hd + dd] = __float2half_rn(o / total);
     }
+}
+
+// Grid (n_kv, B), BA_WARPS warps, two blocks per SM: for grids of at least one block per SM.
+extern "C" __global__ void __launch_bounds__(BA_WARPS * 32, 2) batch_attention(
+    const float* q, const __half* k_cache, const __half* v_cache,
+    long long slot_stride, const int* __restrict__ positions, const int* __restrict__ slots,
+    int n_heads, int n_kv, int hd, int window, int max_keys, __half* out, int ldo)
+{
+    attention_row<BA_WARPS>(q, k_cache, v_cache, slot_stride, positions, slots, n_heads, n_kv, hd, window,
+                            max_keys, out, ldo);
+}
+
+// The same with twice the warps (one pass covers twice the keys) and one block per SM: for grids of
+// fewer blocks than SMs (grouped-query models at a few rows).
+extern "C" __global__ void __launch_bounds__(2 * BA_WARPS * 32, 1) batch_attention_wide(
+    const float* q, const __half* k_cache, const __half* v_cache,
+    long long slot_stride, const int* __restrict__ positions, const int* __restrict__ slots,
+    int n_heads, int n_kv, int hd, int window, int max_keys, __half* out, int ldo)
+{
+    attention_row<2 * BA_WARPS>(q, k_cache, v_cache, slot_stride, positions, slots, n_heads, n_kv, hd, window,
+                                max_keys, out, ldo);
 }
 
 // out[b][c] = silu(gate) * up as fp16, from the gate/up linear's slices (rows: ffn gate then ffn up).

@@ -24,8 +24,7 @@ STAGE_BYTES = 64 << 10       # shared memory for a block's staged h
 BLOCKS_PER_SM = 2            # GEMV blocks resident per SM (__launch_bounds__ minimum)
 MAX_WIDEN = 8                # the most tiles per warp a GEMV plan considers
 BLOCK_START_ITEMS = 2        # gemv_cost: a block's start, in items
-ATTENTION_WARPS = 8          # BA_WARPS
-ATTENTION_THREADS = 32 * ATTENTION_WARPS
+ATTENTION_WARPS = 8          # BA_WARPS (batch_attention_wide: twice as many)
 ATTENTION_UNROLL = 4         # BA_UNROLL: key rows in flight per lane
 MAX_GROUP = 8                # BA_MAX_GROUP: query heads per KV head
 MAX_SHARED_BYTES = 227 << 10  # a block's opt-in shared memory on Hopper, where the device does not say
@@ -168,14 +167,20 @@ def make_rope_store(mod, n_rows: int, parts, plan, bias, positions, slots, n_hea
         np.int64(slot_stride)), waits=True)
 
 
-def attention_shared_bytes(head_dim: int, max_keys: int, group: int) -> int:
+def attention_warps(n_blocks: int, n_sms: int) -> int:
+    """batch_attention_wide's warps where the grid has fewer blocks than SMs (each block then makes one
+    pass over twice the keys), else batch_attention's (two blocks per SM)."""
+    return 2 * ATTENTION_WARPS if n_blocks < n_sms else ATTENTION_WARPS
+
+
+def attention_shared_bytes(head_dim: int, max_keys: int, group: int, warps: int = ATTENTION_WARPS) -> int:
     """The scores and the warps' p . V sums of one block: every query head of a KV head's group."""
-    return 4 * group * (max_keys + ATTENTION_WARPS * head_dim)
+    return 4 * group * (max_keys + warps * head_dim)
 
 
 def attention_max_keys(shared_bytes: int, head_dim: int, group: int) -> int:
-    """The most positions whose scores fit a block's shared memory (attention_shared_bytes)."""
-    return shared_bytes // (4 * group) - ATTENTION_WARPS * head_dim
+    """The most positions whose scores fit a block's shared memory at either width (attention_shared_bytes)."""
+    return shared_bytes // (4 * group) - 2 * ATTENTION_WARPS * head_dim
 
 
 def attention_supports(n_heads: int, n_kv: int, head_dim: int) -> bool:
@@ -183,11 +188,13 @@ def attention_supports(n_heads: int, n_kv: int, head_dim: int) -> bool:
 
 
 def make_attention(mod, n_rows: int, q, k_cache, v_cache, slot_stride: int, positions, slots, n_heads: int,
-                   n_kv: int, hd: int, window: int | None, max_keys: int, out, ldo: int) -> Launch:
-    return Launch("batch_attention", mod.get_function("batch_attention"), (n_kv, n_rows), (ATTENTION_THREADS,), (
+                   n_kv: int, hd: int, window: int | None, max_keys: int, out, ldo: int, n_sms: int) -> Launch:
+    warps = attention_warps(n_kv * n_rows, n_sms)
+    name = "batch_attention" if warps == ATTENTION_WARPS else "batch_attention_wide"
+    return Launch(name, mod.get_function(name), (n_kv, n_rows), (32 * warps,), (
         q, k_cache, v_cache, np.int64(slot_stride), positions, slots, np.int32(n_heads), np.int32(n_kv),
         np.int32(hd), np.int32(window or 0), np.int32(max_keys), out, np.int32(ldo)),
-        shared_mem=attention_shared_bytes(hd, max_keys, n_heads // n_kv), waits=True)
+        shared_mem=attention_shared_bytes(hd, max_keys, n_heads // n_kv, warps), waits=True)
 
 
 def make_swiglu(mod, n_rows: int, parts, plan, ffn: int, out, ldo: int) -> Launch:

@@ -299,7 +299,7 @@ class BatchEngine:
                                         self.v_cache[i], self.slot_stride),
                 batch_k.make_attention(mod, n, self.q, self.k_cache[i], self.v_cache[i], self.slot_stride, positions,
                                        slots, self.n_heads, self.n_kv, self.hd, c.get("sliding_window"),
-                                       self.max_context, self.h_attn, self.h_attn.shape[1]),
+                                       self.max_context, self.h_attn, self.h_attn.shape[1], self.backend.n_sms),
                 self.gemv(p + "wo", padded, self.h_attn),
                 batch_k.make_rmsnorm(mod, n, self.x, self.parts, plan(p + "wo"), b.f32_view(p + "ffn_norm"), self.dim,
                                      eps, self.h_norm, self.h_norm.shape[1]),

@@ -148,14 +148,15 @@ def test_attention_reference_is_the_reference_per_row():
         assert np.allclose(got[b].astype(np.float32), expected[0], rtol=2e-3, atol=2e-3)
 
 
-def emulate_attention(q, k_cache, v_cache, positions, slots, n_kv: int, window: int | None) -> np.ndarray:
-    """What batch_attention computes, lane by lane: which lane reads which 16-byte piece of which key
+def emulate_attention(q, k_cache, v_cache, positions, slots, n_kv: int, window: int | None,
+                      warps: int) -> np.ndarray:
+    """What batch_attention (of `warps` warps) computes, lane by lane: which lane reads which 16-byte piece of which key
     row in which pass (the kernel's index arithmetic), the lane groups' and warps' sums in its order."""
     n_rows, n_heads, hd = q.shape
     group, pieces = n_heads // n_kv, hd // 8
     lanes_per_key = 1 << (pieces - 1).bit_length()
     keys_per_warp = 32 // lanes_per_key
-    keys_per_round = batch_k.ATTENTION_WARPS * keys_per_warp
+    keys_per_round = warps * keys_per_warp
     out = np.zeros((n_rows, n_heads * hd), np.float32)
     for b in range(n_rows):
         pos = int(positions[b])
@@ -165,11 +166,11 @@ def emulate_attention(q, k_cache, v_cache, positions, slots, n_kv: int, window: 
             heads = q[b, kvh * group: (kvh + 1) * group]                      # [group, hd]
             scores = np.full((group, n_keys), np.nan, np.float32)
             read = np.zeros((n_keys, hd), int)
-            pv = np.zeros((batch_k.ATTENTION_WARPS, group, hd), np.float32)
+            pv = np.zeros((warps, group, hd), np.float32)
             lanes = []                                                    # (warp, piece, key) of each load
             for start in range(0, n_keys, batch_k.ATTENTION_UNROLL * keys_per_round):
                 for u in range(batch_k.ATTENTION_UNROLL):
-                    for warp in range(batch_k.ATTENTION_WARPS):
+                    for warp in range(warps):
                         for lane in range(32):
                             piece, sub = lane % lanes_per_key, lane // lanes_per_key
                             key = start + u * keys_per_round + warp * keys_per_warp + sub
@@ -196,7 +197,8 @@ def emulate_attention(q, k_cache, v_cache, positions, slots, n_kv: int, window: 
 
 @pytest.mark.parametrize("hd, n_heads, n_kv", [(64, 32, 4), (128, 8, 8), (96, 12, 6), (8, 4, 2), (32, 16, 2)])
 @pytest.mark.parametrize("window", [None, 9])
-def test_attention_lanes_read_every_key_once(hd, n_heads, n_kv, window):
+@pytest.mark.parametrize("warps", [batch_k.ATTENTION_WARPS, 2 * batch_k.ATTENTION_WARPS])
+def test_attention_lanes_read_every_key_once(hd, n_heads, n_kv, window, warps):
     """batch_attention's split of a slot's keys over lanes (16-byte pieces, lane groups of a power of two,
     unrolled passes) covers each column of each key exactly once: the emulation equals the reference."""
     rng = np.random.default_rng(hd + n_heads + (window or 0))
@@ -204,9 +206,18 @@ def test_attention_lanes_read_every_key_once(hd, n_heads, n_kv, window):
     k = rng.standard_normal((3, 301, n_kv, hd)).astype(np.float16)
     v = rng.standard_normal((3, 301, n_kv, hd)).astype(np.float16)
     q = (rng.standard_normal((4, n_heads, hd)) / np.sqrt(hd)).astype(np.float32)
-    got = emulate_attention(q, k, v, positions, slots, n_kv, window)
+    got = emulate_attention(q, k, v, positions, slots, n_kv, window, warps)
     expected = batch_k.attention_reference(q, k, v, positions, slots, window).astype(np.float32)
     assert np.allclose(got, expected, rtol=2e-3, atol=2e-3)
+
+
+def test_attention_width_follows_the_grid():
+    """Fewer (KV head, row) blocks than SMs: the wide kernel (one pass over twice the keys); a grid that
+    fills the SMs: two narrow blocks per SM (TinyLlama's 4 KV heads at 16 rows against 7B's 32)."""
+    assert batch_k.attention_warps(4 * 16, 132) == 2 * batch_k.ATTENTION_WARPS
+    assert batch_k.attention_warps(131, 132) == 2 * batch_k.ATTENTION_WARPS
+    assert batch_k.attention_warps(132, 132) == batch_k.ATTENTION_WARPS
+    assert batch_k.attention_warps(32 * 16, 132) == batch_k.ATTENTION_WARPS
 
 
 def test_generate_batch_on_the_cpu_is_each_prompt_alone(tmp_path):
@@ -486,7 +497,7 @@ def as_array(pointer_or_array, dtype, count: int, registry: dict) -> np.ndarray:
 def check_threads(name: str, grid, block, args) -> None:
     """The grid and block a kernel's thread mapping needs (batch.cu): RMSNorm's BR_ELEMS elements per
     thread cover the row, RoPE has a block per (row, head) and a thread per pair of columns within its
-    launch bound, attention a block of BA_WARPS warps per (KV head, row)."""
+    launch bound, attention a block of BA_WARPS warps (or twice as many) per (KV head, row)."""
     if name in ("batch_rmsnorm", "batch_rmsnorm_wide"):
         vecs = 1 if name == "batch_rmsnorm" else 2
         assert block[0] % 32 == 0 and block[0] <= batch_k.RMSNORM_THREADS
@@ -495,8 +506,9 @@ def check_threads(name: str, grid, block, args) -> None:
     elif name == "batch_rope_store":
         n_heads, n_kv, hd = (int(a) for a in args[6:9])
         assert grid[1] == n_heads + n_kv and hd // 2 <= block[0] <= batch_k.ROPE_THREADS
-    elif name == "batch_attention":
-        assert block[0] == batch_k.ATTENTION_THREADS and grid[0] == int(args[7])
+    elif name in ("batch_attention", "batch_attention_wide"):
+        warps = batch_k.ATTENTION_WARPS * (2 if name == "batch_attention_wide" else 1)
+        assert block[0] == 32 * warps and grid[0] == int(args[7])
 
 
 class EmulatedKernel(FakeKernel):
@@ -566,6 +578,8 @@ class EmulatedKernel(FakeKernel):
                                           v_cache.reshape(shape), np.asarray(positions)[:n],
                                           np.asarray(slots)[:n], int(window) or None)
         out.reshape(-1, int(ldo))[:n, : n_heads * hd] = got
+
+    run_batch_attention_wide = run_batch_attention
 
     def run_batch_swiglu(self, grid, args):
         parts, n_slices, stride, n_rows, ffn, out, ldo = args

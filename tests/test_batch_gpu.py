@@ -98,12 +98,17 @@ def test_gemv_matches_its_reference(cupy_gpu, mod, encoding, rows, cols, group, 
     assert_rows_close(got, expected, 1e-4, f"gemv {encoding} {rows}x{cols} g{group} rows {padded} {plan}")
 
 
+def request_name(n_sms: int) -> str:
+    return "batch_attention" if n_sms == 1 else "batch_attention_wide"
+
+
 @pytest.mark.parametrize("head_dim, n_heads, n_kv", [(64, 32, 4), (128, 32, 32), (64, 12, 12), (96, 12, 6),
                                                      (128, 32, 4)])
 @pytest.mark.parametrize("window", [None, 9])
-def test_attention_matches_its_reference(cupy_gpu, mod, head_dim, n_heads, n_kv, window):
+@pytest.mark.parametrize("n_sms", [1, 1024], ids=["batch_attention", "batch_attention_wide"])
+def test_attention_matches_its_reference(cupy_gpu, mod, head_dim, n_heads, n_kv, window, n_sms):
     """Rows at different positions (0, short, long) in different slots, two rows in one slot; groups of
-    1, 2 and 8 query heads per KV head."""
+    1, 2 and 8 query heads per KV head; both widths (the SM count picks one)."""
     cp = cupy_gpu
     rng = np.random.default_rng(head_dim + n_heads + (window or 0))
     slots, ctx = 4, 300
@@ -114,7 +119,8 @@ def test_attention_matches_its_reference(cupy_gpu, mod, head_dim, n_heads, n_kv,
     out = cp.full((5, n_heads * head_dim + 64), np.nan, dtype=cp.float16)
     launch = batch_k.make_attention(mod, 5, cp.asarray(q), cp.asarray(k), cp.asarray(v), ctx * n_kv * head_dim,
                                     cp.asarray(positions.astype(np.int32)), cp.asarray(row_slots.astype(np.int32)),
-                                    n_heads, n_kv, head_dim, window, ctx, out, out.shape[1])
+                                    n_heads, n_kv, head_dim, window, ctx, out, out.shape[1], n_sms)
+    assert launch.name == request_name(n_sms)
     launch()
     got = out[:, : n_heads * head_dim].get().astype(np.float32)
     expected = batch_k.attention_reference(q, k, v, positions, row_slots, window).astype(np.float32)
