@@ -112,8 +112,10 @@ def test_q4_search_protects_large_weights():
 
 
 def test_q4_importance_lowers_the_error_where_inputs_are_large():
+    """The weighted columns' error drops by about 12% (ratio 0.880, sd 0.004 over fresh matrices of
+    1,024 rows; at 64 rows the sd was 0.017 and one matrix in nine missed the 0.9 below)."""
     rng = np.random.default_rng()
-    w = (rng.standard_normal((64, 128)) * 0.02).astype(np.float32)
+    w = (rng.standard_normal((1024, 128)) * 0.02).astype(np.float32)
     importance = np.ones(128, np.float32)
     importance[:16] = 1000.0
     plain = np.abs(encode(w, "q4", 64).to_float32() - w)[:, :16].mean()
