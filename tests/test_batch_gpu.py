@@ -30,6 +30,7 @@ from tinyinfer.runtime.errors import ContextOverflowError, DeviceError, SlotsFul
 from tinyinfer.runtime.numpy_backend import NumpyBackend
 from tinyinfer.runtime.sampling import SamplingParams, sample
 
+from sampling_samples import SAMPLING  # noqa: E402
 from tinf_samples import stored_bytes  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -194,17 +195,11 @@ def test_swiglu_and_logits_match_their_references(cupy_gpu, mod):
 
 # ------------------------------------------------------------------------------------- sampling
 
-# Per-row parameters, cycled over the rows: plain greedy, greedy with a penalty (above and below 1),
-# temperature alone, top-k, top-p, min-p, and mixtures with penalties.
+# Per-row parameters, cycled over the rows: plain greedy, the batch-1 sampler's cases (greedy with a
+# penalty, temperature alone, top-k, top-p, min-p, mixtures), penalties below 1 and mixed.
 ROW_SAMPLING = [
     SamplingParams(),
-    SamplingParams(temperature=0.0, repetition_penalty=1.3),
-    SamplingParams(temperature=1.0),
-    SamplingParams(temperature=0.7, top_k=50, top_p=0.9, min_p=0.05, repetition_penalty=1.1),
-    SamplingParams(temperature=1.3, top_p=0.5),
-    SamplingParams(temperature=0.8, top_k=1),
-    SamplingParams(temperature=1.0, min_p=0.2),
-    SamplingParams(temperature=2.0, top_k=7, top_p=0.95),
+    *SAMPLING,
     SamplingParams(temperature=0.9, repetition_penalty=0.7),
     SamplingParams(temperature=0.0, repetition_penalty=0.5),
     SamplingParams(temperature=1.1, top_k=200, repetition_penalty=1.5),

@@ -21,6 +21,7 @@ from tinyinfer.runtime import reference as ref
 from tinyinfer.runtime.bench import random_encoded
 from tinyinfer.runtime.sampling import SamplingParams, sample
 
+from sampling_samples import SAMPLING  # noqa: E402
 from tinf_samples import device_bytes  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -405,17 +406,6 @@ def run_sampler(cp, cc, logits, params, history, uniforms, step=0, host_tokens=F
     token = int(state.get()[1])
     np.testing.assert_array_equal(x.get(), table[token].astype(np.float32))   # the chosen token, embedded
     return state.get(), out_tokens.copy() if host_tokens else out_tokens.get(), seen_dev.get()
-
-
-SAMPLING = [
-    SamplingParams(temperature=0.0, repetition_penalty=1.3),
-    SamplingParams(temperature=1.0),
-    SamplingParams(temperature=0.7, top_k=50, top_p=0.9, min_p=0.05, repetition_penalty=1.1),
-    SamplingParams(temperature=1.3, top_p=0.5),
-    SamplingParams(temperature=0.8, top_k=1),
-    SamplingParams(temperature=1.0, min_p=0.2),
-    SamplingParams(temperature=2.0, top_k=7, top_p=0.95),
-]
 
 
 @pytest.mark.parametrize("params", SAMPLING, ids=str)
