@@ -22,7 +22,9 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable
 
-from tinyinfer.runtime.engine import Chunk, Finished, Generation, SerialEngine
+import numpy as np
+
+from tinyinfer.runtime.engine import FINISH_REASONS, Chunk, Finished, Generation, SerialEngine
 from tinyinfer.runtime.errors import DeviceError
 from tinyinfer.runtime.model import StopStrings, TokenText
 
@@ -77,24 +79,42 @@ def serving_engine(load_model: Callable[[], object], device: str, parallel: int 
 
 @dataclass
 class Active:
-    """A request in a slot."""
+    """A request in a slot (tokens and reused: counted before it came into the slot, if it decoded alone)."""
 
     generation: Generation
     text: TokenText
     tokens: int = 0
+    reused: int = 0
+
+
+@dataclass
+class Alone:
+    """A sequence to decode on the batch-1 graph: its ids so far, its budget left, its rng (one draw per
+    token handed out), its text and what it counted before."""
+
+    generation: Generation
+    ids: list
+    n_new: int
+    rng: np.random.Generator
+    text: TokenText
+    tokens: int = 0
+    reused: int = 0
 
 
 class BatchedEngine(SerialEngine):
     """SerialEngine's interface over a BatchEngine: up to `slots` requests decode together.
 
     make_batch(model, slots) builds the batch on the engine's thread after the model loads (the
-    default: cuda_batch_engine; tests pass one that decodes on the CPU). There is no prefix reuse
-    across requests: each slot prefills its whole prompt (reused_tokens is 0)."""
+    default: cuda_batch_engine; tests pass one that decodes on the CPU). A request with nothing beside
+    it decodes on the batch-1 graph (the single-stream rate, and the serial engine's prefix reuse);
+    when another arrives it moves into a slot, and when it is the last one left it moves back: each
+    move prefills its ids so far where it goes. In a slot there is no prefix reuse across requests."""
 
     def __init__(self, load_model: Callable[[], object], slots: int | None = None,
-                 make_batch: Callable = cuda_batch_engine, notice: Callable[[str], None] = stderr_note):
+                 make_batch: Callable = cuda_batch_engine, notice: Callable[[str], None] = stderr_note,
+                 alone: bool = True):
         super().__init__(load_model)
-        self.requested_slots = slots
+        self.requested_slots, self.alone = slots, alone   # alone False: every request decodes in a slot
         self._make_batch, self._notice = make_batch, notice
         self.batch = None                        # None: serving one request at a time
         self._active: dict[int, Active] = {}     # by slot; the engine's thread only
@@ -136,6 +156,10 @@ class BatchedEngine(SerialEngine):
         try:
             while self._wait_for_work():
                 self._drop_cancelled()
+                alone = self._alone() if self.alone else None
+                if alone is not None:
+                    self._decode_alone(alone)
+                    continue
                 self._admit()
                 if self._active:
                     self._step()
@@ -159,6 +183,75 @@ class BatchedEngine(SerialEngine):
                 self._wakeup.wait()
             return not self._closing
 
+    def _alone(self) -> Alone | None:
+        """The one sequence in the engine, if there is exactly one (waiting, or the last in a slot that
+        has decoded), to decode on the batch-1 graph; else None."""
+        with self._wakeup:
+            if len(self._waiting) == 1 and not self._active:
+                generation = self._waiting.popleft()
+            elif not self._waiting and len(self._active) == 1:
+                generation = None
+            else:
+                return None
+        if generation is not None:
+            request = generation.request
+            if generation.cancelled.is_set() or request.max_tokens == 0:
+                self._start(generation)                  # ends it at once, as in a slot
+                return None
+            n_new = self.model.new_token_budget(len(request.prompt_ids), request.max_tokens)
+            text = TokenText(self.model.tokenizer, request.prompt_ids, StopStrings(request.stop))
+            return Alone(generation, list(request.prompt_ids), n_new, np.random.default_rng(request.seed), text)
+        (slot, active), = self._active.items()
+        sequence = self.batch.sequences.get(slot)
+        if sequence is None or not sequence.generated:   # still prefilling (or let go): stays in the batch
+            return None
+        del self._active[slot]
+        self.batch.cancel(slot)
+        ids = [int(i) for i in sequence.prompt] + [int(t) for t in sequence.generated]
+        return Alone(active.generation, ids, sequence.max_new_tokens - len(sequence.generated), sequence.rng,
+                     active.text, active.tokens, active.reused)
+
+    def _decode_alone(self, alone: Alone) -> None:
+        """Decode the lone sequence on the batch-1 graph until it ends or another request arrives; then
+        it moves into a slot with its ids so far (the batch prefills them) and its rng and text."""
+        generation, model = alone.generation, self.model
+        with self._wakeup:
+            self._current = generation               # close() cancels it
+        with self._stats_lock:
+            self._stats.running = 1
+        started = time.perf_counter()
+
+        def leave() -> bool:                         # asked after every token
+            with self._wakeup:
+                return generation.cancelled.is_set() or self._closing or bool(self._waiting)
+
+        try:
+            for text in model.stream_ids(alone.ids, generation.request.params, alone.n_new, alone.rng, alone.text,
+                                         leave):
+                generation.push(Chunk(text))
+        except Exception as e:                       # a bad request the server's checks missed, or the backend
+            return self._finish(generation, e, time.perf_counter() - started)
+        finally:
+            with self._wakeup:
+                self._current = None
+        seconds, stats = time.perf_counter() - started, model.last_stats
+        tokens, generated = alone.tokens + len(model.last_generated), model.last_generated
+        reused = alone.reused if alone.tokens else stats["reused_tokens"]   # prompt reuse: at its start only
+        n_prompt = len(generation.request.prompt_ids)
+        moving = stats["stop_reason"] == "cancelled" and not (generation.cancelled.is_set() or self._closing)
+        if moving and len(generated) == alone.n_new:      # it had just reached its budget
+            tail = alone.text.flush()
+            if tail:
+                generation.push(Chunk(tail))
+            return self._finish(generation, Finished("length", n_prompt, tokens, reused), seconds)
+        if not moving:
+            reason = FINISH_REASONS[stats["stop_reason"]] if not self._closing else None
+            return self._finish(generation, Finished(reason, n_prompt, tokens, reused), seconds)
+        with self._stats_lock:
+            self._stats.generation_seconds += seconds
+        self._start(generation, Alone(generation, alone.ids + generated, alone.n_new - len(generated), alone.rng,
+                                      alone.text, tokens, reused))
+
     def _admit(self) -> None:
         """Move waiting requests into free slots, first come first."""
         while self.batch.free_slots():
@@ -168,23 +261,28 @@ class BatchedEngine(SerialEngine):
                 generation = self._waiting.popleft()
             self._start(generation)
 
-    def _start(self, generation: Generation) -> None:
+    def _start(self, generation: Generation, moved: Alone | None = None) -> None:
+        """Put a request into a free slot (moved: a sequence that decoded alone, with its state)."""
         request = generation.request
+        tokens, reused = (moved.tokens, moved.reused) if moved else (0, 0)
         if generation.cancelled.is_set():        # the client left while it waited
-            return self._finish(generation, Finished(None, len(request.prompt_ids), 0, 0))
+            return self._finish(generation, Finished(None, len(request.prompt_ids), tokens, reused))
         if request.max_tokens == 0:              # as Model.generate: nothing asked, nothing generated
             return self._finish(generation, Finished("length", len(request.prompt_ids), 0, 0))
         tokenizer = self.model.tokenizer
         before = set(self.batch.active_slots())
         try:
-            text = TokenText(tokenizer, request.prompt_ids, StopStrings(request.stop))
-            slot = self.batch.submit(request.prompt_ids, request.params, request.max_tokens, seed=request.seed,
-                                     stop_ids=tokenizer.eos_ids)
+            if moved is None:
+                text = TokenText(tokenizer, request.prompt_ids, StopStrings(request.stop))
+                ids, n_new, rng = request.prompt_ids, request.max_tokens, request.seed
+            else:
+                text, ids, n_new, rng = moved.text, moved.ids, moved.n_new, moved.rng
+            slot = self.batch.submit(ids, request.params, n_new, seed=rng, stop_ids=tokenizer.eos_ids)
         except Exception as e:                   # a request the server's checks let through, refused here
             for taken in set(self.batch.active_slots()) - before:   # a slot it took before failing: free again
                 self.batch.cancel(taken)
             return self._finish(generation, e)
-        self._active[slot] = Active(generation, text)
+        self._active[slot] = Active(generation, text, tokens, reused)
         with self._stats_lock:
             self._stats.running = len(self._active)
 
@@ -232,7 +330,7 @@ class BatchedEngine(SerialEngine):
         active = self._active.pop(slot)
         self.batch.cancel(slot)                  # nothing to do where the batch let the sequence go itself
         if not isinstance(outcome, BaseException):
-            outcome = Finished(outcome, len(active.generation.request.prompt_ids), active.tokens, 0)
+            outcome = Finished(outcome, len(active.generation.request.prompt_ids), active.tokens, active.reused)
         self._finish(active.generation, outcome)
 
     def _finish(self, generation: Generation, outcome, seconds: float = 0.0) -> None:

@@ -154,6 +154,7 @@ class Model:
         self.max_context = backend.max_context
         self.last_stats: dict = {}
         self.cached_ids: list[int] = []   # tokens whose K/V the backend's cache holds, from position 0
+        self.last_generated: list[int] = []   # the tokens of the last stream, as it hands them out
 
     # ------------------------------------------------------------------------------ scoring
 
@@ -299,6 +300,13 @@ class Model:
         n_new = self.new_token_budget(len(ids), max_tokens)
         return self._stream(ids, params, n_new, np.random.default_rng(seed), StopStrings(stop), cancelled)
 
+    def stream_ids(self, ids, params: SamplingParams, n_new: int, rng: np.random.Generator, text: TokenText,
+                   cancelled: Callable[[], bool] | None = None) -> Iterator[str]:
+        """generate_from_ids' stream of n_new tokens (already checked against the context) with the
+        caller's rng and TokenText, for a server that moves a sequence between engines: rng has drawn
+        exactly one number per token handed out, and self.last_generated holds those tokens."""
+        return self._stream([int(i) for i in ids], params, n_new, rng, None, cancelled, text)
+
     def reusable_prefix(self, ids: list[int], params: SamplingParams) -> int:
         """How many leading ids already have K/V in the cache (a chat's earlier turns), so only the rest
         is prefilled. At least one id is always forwarded, for its logits. The repetition penalty looks at
@@ -312,8 +320,9 @@ class Model:
             common += 1
         return min(common, len(ids) - 1)
 
-    def _stream(self, ids, params, n_new, rng, stops: StopStrings, cancelled=None) -> Iterator[str]:
-        text_of = TokenText(self.tokenizer, ids, stops)
+    def _stream(self, ids, params, n_new, rng, stops: StopStrings | None, cancelled=None,
+                text_of: TokenText | None = None) -> Iterator[str]:
+        text_of = text_of or TokenText(self.tokenizer, ids, stops)
         reuse = self.reusable_prefix(ids, params)
         stats = self.last_stats = {"prompt_tokens": len(ids), "reused_tokens": reuse, "new_tokens": 0,
                                    "stop_reason": "max_tokens"}
@@ -321,6 +330,7 @@ class Model:
         if reuse == 0:
             self.backend.reset()
         self.cached_ids, generated = [], []
+        self.last_generated = generated
         known = None   # what the cache holds when that is not "ids and every token handed out but the last"
         try:
             for token in self.backend.generate_ids(ids[reuse:], reuse, params, n_new, rng):

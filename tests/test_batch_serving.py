@@ -108,16 +108,17 @@ def expected(reference, prompt, **options) -> tuple[str, str, dict]:
     return text, FINISH[stats["stop_reason"]], stats
 
 
-def batched_engine(model_path, slots=3, notes=None, **fake):
-    """A BatchedEngine over a CpuBatch (engine.batch once it is ready)."""
-    return BatchedEngine(lambda: load(model_path, device="cpu"), slots,
+def batched_engine(model_path, slots=3, notes=None, alone=False, load_model=None, **fake):
+    """A BatchedEngine over a CpuBatch (engine.batch once it is ready); alone False: every request
+    decodes in a slot, as these tests of the batch's scheduling expect."""
+    return BatchedEngine(load_model or (lambda: load(model_path, device="cpu")), slots,
                          make_batch=lambda model, n: CpuBatch(model, n, **fake),
-                         notice=(notes if notes is not None else []).append)
+                         notice=(notes if notes is not None else []).append, alone=alone)
 
 
 @contextlib.contextmanager
-def serving(model_path, slots=3, **fake):
-    engine = batched_engine(model_path, slots, **fake)
+def serving(model_path, slots=3, alone=False, load_model=None, **fake):
+    engine = batched_engine(model_path, slots, alone=alone, load_model=load_model, **fake)
     with running_server(create_app(engine, ("tiny",))) as url:
         assert engine.ready.wait(DEADLINE_S) and engine.load_error is None, engine.load_error
         assert isinstance(engine.batch, CpuBatch) and engine.parallel == engine.batch.n_slots
@@ -295,6 +296,53 @@ def test_a_shorter_batch_context_is_the_servers_context(model_path, reference):
         assert info.value.body["code"] == "context_length_exceeded"
         got, got_finish, usage = ask(client, "w3", max_tokens=38, temperature=0)
         assert (got, got_finish, usage.completion_tokens) == (text, finish, stats["new_tokens"])
+
+
+def slowed_model(model_path, delay_s: float):
+    """A loader of the model whose every forward (the batch-1 path's steps) takes delay_s longer."""
+    def load_slowed():
+        model = load(model_path, device="cpu")
+        forward = model.backend.forward
+        model.backend.forward = lambda ids, start: (time.sleep(delay_s), forward(ids, start))[1]
+        return model
+    return load_slowed
+
+
+def recorded(stream, chunks: list):
+    for chunk in stream:
+        chunks.append(chunk)
+        yield chunk
+
+
+def test_a_lone_request_moves_into_a_slot_when_another_comes_and_back_when_alone(model_path, reference):
+    """A (seeded sampling, 40 tokens) decodes alone on the batch-1 path (nothing submitted to the batch);
+    B arrives once A has streamed a few chunks: A moves into a slot with its prompt and tokens so far,
+    B joins it, and when B is done A, the last one left, leaves its slot and decodes alone again. Both
+    texts, finish_reasons and usages are Model.generate's alone: A's seed draws once per token across
+    the moves and its text held back nothing wrongly at either."""
+    a_options, b_options = dict(max_tokens=40, temperature=1.0, seed=7), dict(max_tokens=6, temperature=0)
+    a_answer, b_answer = expected(reference, PROMPTS[0], **a_options), expected(reference, PROMPTS[3], **b_options)
+    a_prompt = tuple(reference.prompt_ids(PROMPTS[0]))
+    chunks = []
+    with serving(model_path, slots=2, alone=True, step_s=0.005, load_model=slowed_model(model_path, 0.01)) as (
+            url, engine, client):
+        with ThreadPoolExecutor(2) as pool:
+            a = pool.submit(lambda: streamed(recorded(client.completions.create(
+                model="tiny", prompt=PROMPTS[0], stream=True, stream_options={"include_usage": True},
+                **a_options), chunks)))
+            wait_for(lambda: len(chunks) >= 4, "A's first chunks")
+            assert engine.batch.submitted == [], "the lone request went through the batch"
+            b = pool.submit(ask, client, PROMPTS[3], False, **b_options)
+            results = [a.result(timeout=DEADLINE_S), b.result(timeout=DEADLINE_S)]
+        m = wait_until_idle(url)
+    (moved, a_slot), (b_ids, _) = engine.batch.submitted
+    assert moved[: len(a_prompt)] == a_prompt and len(moved) > len(a_prompt) + 2, "A did not move with its tokens"
+    assert b_ids == tuple(reference.prompt_ids(PROMPTS[3]))
+    assert a_slot in engine.batch.cancelled, "A did not leave its slot when it was alone again"
+    for (text, finish, stats), (got, got_finish, usage) in zip([a_answer, b_answer], results):
+        assert (got, got_finish) == (text, finish)
+        assert (usage.prompt_tokens, usage.completion_tokens) == (stats["prompt_tokens"], stats["new_tokens"])
+    assert m["tinyinfer_completion_tokens_total"] == a_answer[2]["new_tokens"] + b_answer[2]["new_tokens"]
 
 
 # ------------------------------------------------------------------------------------ the engine itself

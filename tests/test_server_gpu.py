@@ -128,7 +128,8 @@ def as_served(model, ids: list[int], tokens: list[int]) -> tuple[str, str]:
 
 
 def test_parallel_4_gives_each_prompt_the_serial_text(model_path, served, reference):
-    """The engine of `tinyrun serve --parallel 4`: six concurrent greedy requests, streamed and not,
+    """The engine of `tinyrun serve --parallel 4` with every request in a slot (alone=False; the
+    default's lone requests are the next test's): six concurrent greedy requests, streamed and not,
     two of them waiting for a slot. Each gets exactly the text of its prompt decoded by the batched
     kernels alone (a row's logits do not depend on the other rows of a step of 8 or fewer), and that
     is the serial engine's text, or both follow their logits' argmax until a near tie (the batched
@@ -137,10 +138,10 @@ def test_parallel_4_gives_each_prompt_the_serial_text(model_path, served, refere
     prompts = PROMPTS + ["w9 w10 w11 w12 w13 w14 w15 w16", "w31000 w2"]
     jobs = [(prompt, 24 + 9 * i, i % 2 == 1) for i, prompt in enumerate(prompts)]
     alone = [ask(serial, *job) for job in jobs]
-    engine = serving_engine(lambda: load(model_path, device="cuda"), "cuda", 4)
+    engine = BatchedEngine(lambda: load(model_path, device="cuda"), 4, alone=False)
     with running_server(create_app(engine, ("m",))) as url:
         assert engine.ready.wait(300) and engine.load_error is None, engine.load_error
-        assert type(engine) is BatchedEngine and engine.parallel == 4
+        assert engine.parallel == 4
         busy, step = [], engine.batch.step
 
         def counted_step():               # the slots in use at each step (on the engine's thread)
@@ -168,3 +169,21 @@ def test_parallel_4_gives_each_prompt_the_serial_text(model_path, served, refere
         shortfall = [float(prefill_k.argmax_shortfall(logits, np.array([t]))[0]) for t in (batched[k], single[k])]
         print(f"{prompt!r}: the batched and serial tokens part at token {k}, {shortfall} rms below the best")
         assert max(shortfall) <= prefill_k.NEAR_TIE, f"{prompt!r}: token {k} differs beyond a near tie"
+
+
+def test_a_lone_request_decodes_on_the_batch1_graph(model_path, served):
+    """`tinyrun serve --parallel 4` as it starts: a greedy request with nothing beside it decodes on
+    the batch-1 graph, so its text is the serial engine's exactly, and nothing reaches the batch.
+    (Moves into and out of a slot: tests/test_batch_serving.py, on the CPU.)"""
+    _, serial = served
+    engine = serving_engine(lambda: load(model_path, device="cuda"), "cuda", 4)
+    with running_server(create_app(engine, ("m",))) as url:
+        assert engine.ready.wait(300) and engine.load_error is None, engine.load_error
+        assert type(engine) is BatchedEngine and engine.alone and engine.parallel == 4
+        submitted, submit = [], engine.batch.submit
+        engine.batch.submit = lambda *args, **kw: submitted.append(args) or submit(*args, **kw)
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=DEADLINE_S)
+        for prompt, stream in ((PROMPTS[0], False), (PROMPTS[2], True)):
+            assert ask(client, prompt, 40, stream) == ask(serial, prompt, 40, stream), prompt
+        wait_until_idle(url)
+    assert submitted == [], "a lone request went through the batch"
