@@ -20,6 +20,10 @@
 #include "common.cuh"
 
 #define BG_WARPS 8          // warps per GEMV block, each on its own 16-row tiles
+#ifndef BG_DEPTH
+#define BG_DEPTH 3          // items (16 rows x one piece) a warp has in flight ahead of its products
+#endif
+#define BG_STAGE_LOADS 8    // loads of h a thread issues before it stores them in shared memory
 #define BG_F16 0            // weight encodings (template argument ENC)
 #define BG_Q8 1
 #define BG_Q4 2
@@ -32,21 +36,29 @@ template <int ENC> struct BatchEncoding {
     static constexpr int bits = ENC == BG_Q4 ? 4 : ENC == BG_Q8 ? 8 : 16;
 };
 
-// Two weights of one u32 of nibbles, (n - 8) as exact fp16: nibbles at bits shift and shift + 16
-// into 1024 + n (0x6400 is 1024.0), minus 1032.
-TI_DEVICE __half2 q4_pair(u32 w, int shift) {
-    const u32 bits = ((w >> shift) & 0x000F000Fu) | 0x64006400u;
-    return __hsub2(*reinterpret_cast<const __half2*>(&bits), __float2half2_rn(1032.f));
+// (w & MASK) | 0x64006400 in one LOP3 (C's & then | takes two: one immediate each).
+template <u32 MASK> TI_DEVICE __half2 nibbles_in_1024(u32 w) {
+    u32 bits;
+    asm("lop3.b32 %0, %1, %2, %3, 0xea;" : "=r"(bits) : "r"(w), "n"(MASK), "n"(0x64006400u));
+    return *reinterpret_cast<const __half2*>(&bits);
 }
 
-TI_DEVICE u32 scaled_pair(u32 w, int shift, __half2 scale) {
-    return as_u32(__hmul2(q4_pair(w, shift), scale));
+// The 8 nibbles of a u32 as four pairs of exact fp16 (n - 8): pair i holds nibbles i and i + 4. The
+// low nibble of a half's byte lands in 1024 + n (0x6400 is 1024.0), the high one in 1024 + 16 n,
+// which times 1/16 minus 72 is n - 8 with no rounding; the upper byte pairs go through w >> 8.
+TI_DEVICE void q4_word(u32 w, __half2 (&n)[4]) {
+    const u32 w8 = w >> 8;
+    const __half2 sixteenth = __float2half2_rn(0.0625f), low = __float2half2_rn(-1032.f), high = __float2half2_rn(-72.f);
+    n[0] = __hadd2(nibbles_in_1024<0x000F000Fu>(w), low);
+    n[1] = __hfma2(nibbles_in_1024<0x00F000F0u>(w), sixteenth, high);
+    n[2] = __hadd2(nibbles_in_1024<0x000F000Fu>(w8), low);
+    n[3] = __hfma2(nibbles_in_1024<0x00F000F0u>(w8), sixteenth, high);
 }
 
 // Two int8 weights of a u32 (bytes at selector positions), exact as fp16: (v ^ 0x80) = v + 128 into
 // the low byte of 1024 + u, minus 1152; then the scale.
-TI_DEVICE u32 q8_scaled_pair(u32 w, u32 selector, __half2 scale) {
-    const u32 bits = __byte_perm(w ^ 0x80808080u, 0x64646464u, selector);
+TI_DEVICE u32 q8_scaled_pair(u32 flipped, u32 selector, __half2 scale) {
+    const u32 bits = __byte_perm(flipped, 0x64646464u, selector);
     return as_u32(__hmul2(__hsub2(*reinterpret_cast<const __half2*>(&bits), __float2half2_rn(1152.f)), scale));
 }
 
@@ -60,29 +72,39 @@ struct WeightItem {
     __half s_lo, s_hi;      // their scales for the lane's columns
 };
 
-// A's registers (a0 row g, a1 row g + 8 at k slots 2t, 2t+1; a2, a3 at 2t+8, 2t+9) of k-step s.
-// q4: word s / 2, nibbles at shifts 0 / 4 (s even: columns 0,4 and 1,5 of the word) or 8 / 12
-// (2,6 and 3,7). q8: word s, bytes 0,1 and 2,3. f16: words 2s and 2s + 1 as they are.
+// A's registers (a0 row g, a1 row g + 8 at k slots 2t, 2t+1; a2, a3 at 2t+8, 2t+9) of k-steps 2j
+// (a[0..3]) and 2j + 1 (a[4..7]). q4: word j, nibbles 0,4 and 1,5 (k-step 2j: columns 0,4 and 1,5 of
+// the word), 2,6 and 3,7 (2j + 1). q8: words 2j and 2j + 1, bytes 0,1 and 2,3 of each. f16: words
+// 4j .. 4j + 3 as they are.
 template <int ENC>
-TI_DEVICE void a_fragment(const WeightItem& it, int s, __half2 s_lo, __half2 s_hi, u32 (&a)[4]) {
+TI_DEVICE void a_fragments(const WeightItem& it, int j, __half2 s_lo, __half2 s_hi, u32 (&a)[8]) {
     if (ENC == BG_Q4) {
-        const u32 wl = word_of(it.lo, s >> 1), wh = word_of(it.hi, s >> 1);
-        const int shift = 8 * (s & 1);
-        a[0] = scaled_pair(wl, shift, s_lo);
-        a[1] = scaled_pair(wh, shift, s_hi);
-        a[2] = scaled_pair(wl, shift + 4, s_lo);
-        a[3] = scaled_pair(wh, shift + 4, s_hi);
+        __half2 lo[4], hi[4];
+        q4_word(word_of(it.lo, j), lo);
+        q4_word(word_of(it.hi, j), hi);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            a[2 * i] = as_u32(__hmul2(lo[i], s_lo));
+            a[2 * i + 1] = as_u32(__hmul2(hi[i], s_hi));
+        }
     } else if (ENC == BG_Q8) {
-        const u32 wl = word_of(it.lo, s), wh = word_of(it.hi, s);
-        a[0] = q8_scaled_pair(wl, 0x5140u, s_lo);
-        a[1] = q8_scaled_pair(wh, 0x5140u, s_hi);
-        a[2] = q8_scaled_pair(wl, 0x5342u, s_lo);
-        a[3] = q8_scaled_pair(wh, 0x5342u, s_hi);
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const u32 wl = word_of(it.lo, 2 * j + half) ^ 0x80808080u, wh = word_of(it.hi, 2 * j + half) ^ 0x80808080u;
+            a[4 * half] = q8_scaled_pair(wl, 0x5140u, s_lo);
+            a[4 * half + 1] = q8_scaled_pair(wh, 0x5140u, s_hi);
+            a[4 * half + 2] = q8_scaled_pair(wl, 0x5342u, s_lo);
+            a[4 * half + 3] = q8_scaled_pair(wh, 0x5342u, s_hi);
+        }
     } else {
-        a[0] = word_of(it.lo, 2 * s);
-        a[1] = word_of(it.hi, 2 * s);
-        a[2] = word_of(it.lo, 2 * s + 1);
-        a[3] = word_of(it.hi, 2 * s + 1);
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const int s = 2 * j + half;
+            a[4 * half] = word_of(it.lo, 2 * s);
+            a[4 * half + 1] = word_of(it.hi, 2 * s);
+            a[4 * half + 2] = word_of(it.lo, 2 * s + 1);
+            a[4 * half + 3] = word_of(it.hi, 2 * s + 1);
+        }
     }
 }
 
@@ -99,22 +121,53 @@ TI_DEVICE uint4 staged_quad(uint4 v) {
     return f;
 }
 
+// Stage the block's slice of h (rows NB * 8, pieces p0 .. p0 + np) into shared memory in the
+// order of a_fragments' k slots: entry (piece p, row b, lane t, quad j) at hs[((p NB + b / 8) quads
+// + j) 32 + (b % 8) 4 + t]. Each thread issues BG_STAGE_LOADS loads before it stores any (one after
+// the other, each had waited a round trip to the L2); neither has a branch, or ptxas sinks each load
+// to its store.
+template <int ENC, int NB>
+TI_DEVICE void stage_h(uint4* hs, const __half* h, int ldh, int p0, int np) {
+    using E = BatchEncoding<ENC>;
+    constexpr int per_piece = NB * 8 * 4 * E::quads;    // entries of one piece, quad fastest
+    const int total = np * per_piece;
+    for (int i0 = threadIdx.x; i0 < total; i0 += BG_STAGE_LOADS * blockDim.x) {
+        uint4 v[BG_STAGE_LOADS];
+#pragma unroll
+        for (int u = 0; u < BG_STAGE_LOADS; ++u) {
+            const int i = min(i0 + u * (int)blockDim.x, total - 1);     // clamped: no predicate on the loads
+            const int p = i / per_piece, e = i % per_piece;
+            const int j = e % E::quads, tt = (e / E::quads) & 3, b = e / (4 * E::quads);
+            v[u] = __ldcg(reinterpret_cast<const uint4*>(h + (size_t)b * ldh + (size_t)(p0 + p) * E::piece_cols
+                                                         + E::piece_cols / 4 * tt + 8 * j));
+        }
+#pragma unroll
+        for (int u = 0; u < BG_STAGE_LOADS; ++u) {
+            const int i = min(i0 + u * (int)blockDim.x, total - 1);     // past the end: the last entry again
+            const int p = i / per_piece, e = i % per_piece;
+            const int j = e % E::quads, tt = (e / E::quads) & 3, b = e / (4 * E::quads);
+            hs[((p * NB + (b >> 3)) * E::quads + j) * 32 + (b & 7) * 4 + tt] = staged_quad<ENC>(v[u]);
+        }
+    }
+}
+
 // y = W h for NB * 8 rows of h at once, W in 8-row blocks (layout.py; rows a multiple of 8, rows of
-// whole 64-byte pieces), q4/q8 groups a multiple of 32.
+// whole 64-byte pieces), q4/q8 groups of 32, 64 or 128 columns.
 //
 // mma.m16n8k16 with A = 16 weight rows, B = 8 rows of h. The sum over k does not care which column
 // sits in which k slot as long as A and B agree, so lane (g, t) feeds its own 16-byte load: row g
 // (and g + 8), columns piece_cols / 4 * t .. of the piece (within one group: one scale). q4: word j
 // of the load holds columns 8 j .. 8 j + 7; k-step 2 j takes columns (0, 4) as A's k slots 2t, 2t+1
-// and (1, 5) as 2t+8, 2t+9, k-step 2 j + 1 columns (2, 6) and (3, 7): nibble masks at shifts 0 / 4
-// and 8 / 12. q8 and f16 take the lane's columns in order, four per k-step. h is staged once per
-// block in shared memory in exactly that order (staged_quad: a uint4 per lane holds b0/b1 of two
-// k-steps). Quantized weights are rounded to fp16 as (n - 8) * scale or v * scale, as prefill's
-// dequantization rounds them.
+// and (1, 5) as 2t+8, 2t+9, k-step 2 j + 1 columns (2, 6) and (3, 7) (q4_word). q8 and f16 take the
+// lane's columns in order, four per k-step. h is staged once per block in shared memory in exactly
+// that order (staged_quad: a uint4 per lane holds b0/b1 of two k-steps). Quantized weights are
+// rounded to fp16 as (n - 8) * scale or v * scale, as prefill's dequantization rounds them.
 //
 // Grid (row groups of tiles_per_block tiles, K slices of pieces_per_slice pieces); block BG_WARPS
-// warps, warp w takes tiles w, w + BG_WARPS, ... of its group over its slice, three items' loads in
-// flight ahead of the products. Dynamic shared memory: NB * 8 rows x the slice's columns, fp16.
+// warps, warp w takes tiles w, w + BG_WARPS, ... of its group over its slice, BG_DEPTH items' loads
+// in flight ahead of the products. Dynamic shared memory: NB * 8 rows x the slice's columns, fp16.
+// The loop issues about 160 instructions an item (q4, 16 rows), a quarter of them the products: at
+// 16 rows and more the GEMV is bound by instruction issue as much as by the weights' bytes.
 template <int ENC, int NB>
 __global__ void __launch_bounds__(BG_WARPS * 32, 2) batch_gemv(
     const unsigned char* __restrict__ w, const __half* __restrict__ scales, int rows, int kpad, int group,
@@ -132,45 +185,47 @@ __global__ void __launch_bounds__(BG_WARPS * 32, 2) batch_gemv(
     const int np = min(pieces_per_slice, n_pieces - p0);
     const int n_tiles = (rows + 15) >> 4;
     const int groups = ENC == BG_F16 ? 0 : kpad / group;
+    const int group_shift = __ffs(group) - 1;           // groups are powers of two
     const size_t row_bytes = (size_t)kpad * E::bits / 8;
     const int first_tile = blockIdx.x * tiles_per_block + warp;
     const int tile_end = min(n_tiles, (int)(blockIdx.x + 1) * tiles_per_block);
     const int my_tiles = first_tile < tile_end ? (tile_end - first_tile + BG_WARPS - 1) / BG_WARPS : 0;
     const int n_items = my_tiles * np;
 
-    auto load_item = [&](int k) {
+    // The warp's items in order: its tiles one after the other, each over the slice's pieces. A
+    // cursor walks them (a division per item had cost ~60 instructions of the loop's ~430).
+    struct Cursor { int tile, piece; };
+    auto advance = [&](Cursor& c) {
+        if (++c.piece == np) { c.piece = 0; c.tile += BG_WARPS; }
+    };
+    auto load_item = [&](const Cursor& c) {
         WeightItem it;
-        const int tile = first_tile + (k / np) * BG_WARPS, piece = p0 + k % np;
-        const bool has_hi = tile * 16 + 8 < rows;
-        const unsigned char* block_lo = w + (size_t)tile * 16 * row_bytes + (size_t)piece * 512 + g * 64 + 16 * t;
+        const int piece = p0 + c.piece;
+        const bool has_hi = c.tile * 16 + 8 < rows;
+        const unsigned char* block_lo = w + (size_t)c.tile * 16 * row_bytes + (size_t)piece * 512 + g * 64 + 16 * t;
         it.lo = load_stream(block_lo);
         it.hi = has_hi ? load_stream(block_lo + 8 * row_bytes) : make_uint4(0u, 0u, 0u, 0u);
         it.s_lo = it.s_hi = __float2half(0.f);
         if (ENC != BG_F16) {
-            const int scale_col = 8 * ((piece * E::piece_cols + E::piece_cols / 4 * t) / group) + g;
-            const __half* scale_lo = scales + (size_t)tile * 16 * groups + scale_col;
+            const int scale_col = 8 * ((piece * E::piece_cols + E::piece_cols / 4 * t) >> group_shift) + g;
+            const __half* scale_lo = scales + (size_t)c.tile * 16 * groups + scale_col;
             it.s_lo = scale_lo[0];
             if (has_hi) it.s_hi = scale_lo[8 * groups];
         }
         return it;
     };
 
-    // The first three items' weights are requested before the previous kernel has finished.
+    // The first items' weights are requested before the previous kernel has finished.
     pdl_launch_dependents();
-    WeightItem cur, next, later;
-    if (n_items > 0) cur = load_item(0);
-    if (n_items > 1) next = load_item(1);
-    if (n_items > 2) later = load_item(2);
-    pdl_wait();
-
-    const int stage_items = NB * 8 * np * 4 * E::quads;  // (row b, piece, lane t, quad j), j fastest
-    for (int i = threadIdx.x; i < stage_items; i += blockDim.x) {
-        const int j = i % E::quads, tt = (i / E::quads) & 3, rest = i / (4 * E::quads);
-        const int p = rest % np, b = rest / np;
-        const uint4 v = __ldcg(reinterpret_cast<const uint4*>(h + (size_t)b * ldh + (size_t)(p0 + p) * E::piece_cols
-                                                              + E::piece_cols / 4 * tt + 8 * j));
-        hs[((p * NB + (b >> 3)) * E::quads + j) * 32 + (b & 7) * 4 + tt] = staged_quad<ENC>(v);
+    WeightItem ring[BG_DEPTH];
+    Cursor fetch = {first_tile, 0}, use = {first_tile, 0};
+#pragma unroll
+    for (int d = 0; d < BG_DEPTH; ++d) {
+        if (d < n_items) ring[d] = load_item(fetch);
+        advance(fetch);
     }
+    pdl_wait();
+    stage_h<ENC, NB>(hs, h, ldh, p0, np);
     __syncthreads();
 
     float acc[NB][4];
@@ -178,44 +233,44 @@ __global__ void __launch_bounds__(BG_WARPS * 32, 2) batch_gemv(
     for (int nb = 0; nb < NB; ++nb) acc[nb][0] = acc[nb][1] = acc[nb][2] = acc[nb][3] = 0.f;
     float* out = parts + (size_t)blockIdx.y * NB * 8 * rows;
 
-    for (int k = 0; k < n_items; ++k) {
-        WeightItem after;
-        if (k + 3 < n_items) after = load_item(k + 3);
-        const int p = k % np;
-        const __half2 s_lo = __half2half2(cur.s_lo), s_hi = __half2half2(cur.s_hi);
+    for (int k0 = 0; k0 < n_items; k0 += BG_DEPTH) {
 #pragma unroll
-        for (int j = 0; j < E::quads; ++j) {
-            uint4 b[NB];
+        for (int d = 0; d < BG_DEPTH; ++d) {
+            if (k0 + d >= n_items) break;
+            const WeightItem cur = ring[d];
+            if (k0 + d + BG_DEPTH < n_items) ring[d] = load_item(fetch);
+            advance(fetch);
+            const __half2 s_lo = __half2half2(cur.s_lo), s_hi = __half2half2(cur.s_hi);
 #pragma unroll
-            for (int nb = 0; nb < NB; ++nb) b[nb] = hs[((p * NB + nb) * E::quads + j) * 32 + lane];
+            for (int j = 0; j < E::quads; ++j) {
+                uint4 b[NB];
 #pragma unroll
-            for (int half = 0; half < 2; ++half) {
-                u32 a[4];
-                a_fragment<ENC>(cur, 2 * j + half, s_lo, s_hi, a);
+                for (int nb = 0; nb < NB; ++nb) b[nb] = hs[((use.piece * NB + nb) * E::quads + j) * 32 + lane];
+                u32 a[8];
+                a_fragments<ENC>(cur, j, s_lo, s_hi, a);
 #pragma unroll
-                for (int nb = 0; nb < NB; ++nb)
-                    mma_16816(acc[nb], a[0], a[1], a[2], a[3], half ? b[nb].z : b[nb].x, half ? b[nb].w : b[nb].y);
-            }
-        }
-        if (p == np - 1) {                                // the tile's last piece: store its sums
-            const int tile = first_tile + (k / np) * BG_WARPS;
-            const int r_lo = tile * 16 + g, r_hi = r_lo + 8;
-            const bool has_hi = tile * 16 + 8 < rows;
-#pragma unroll
-            for (int nb = 0; nb < NB; ++nb) {
-                const int b0 = nb * 8 + 2 * t;
-                out[(size_t)b0 * rows + r_lo] = acc[nb][0];
-                out[(size_t)(b0 + 1) * rows + r_lo] = acc[nb][1];
-                if (has_hi) {
-                    out[(size_t)b0 * rows + r_hi] = acc[nb][2];
-                    out[(size_t)(b0 + 1) * rows + r_hi] = acc[nb][3];
+                for (int nb = 0; nb < NB; ++nb) {
+                    mma_16816(acc[nb], a[0], a[1], a[2], a[3], b[nb].x, b[nb].y);
+                    mma_16816(acc[nb], a[4], a[5], a[6], a[7], b[nb].z, b[nb].w);
                 }
-                acc[nb][0] = acc[nb][1] = acc[nb][2] = acc[nb][3] = 0.f;
             }
+            if (use.piece == np - 1) {                    // the tile's last piece: store its sums
+                const int r_lo = use.tile * 16 + g, r_hi = r_lo + 8;
+                const bool has_hi = use.tile * 16 + 8 < rows;
+#pragma unroll
+                for (int nb = 0; nb < NB; ++nb) {
+                    const int b0 = nb * 8 + 2 * t;
+                    out[(size_t)b0 * rows + r_lo] = acc[nb][0];
+                    out[(size_t)(b0 + 1) * rows + r_lo] = acc[nb][1];
+                    if (has_hi) {
+                        out[(size_t)b0 * rows + r_hi] = acc[nb][2];
+                        out[(size_t)(b0 + 1) * rows + r_hi] = acc[nb][3];
+                    }
+                    acc[nb][0] = acc[nb][1] = acc[nb][2] = acc[nb][3] = 0.f;
+                }
+            }
+            advance(use);
         }
-        cur = next;
-        next = later;
-        later = after;
     }
 }
 
