@@ -168,8 +168,9 @@ def make_rope_store(mod, n_rows: int, parts, plan, bias, positions, slots, n_hea
 
 
 def attention_warps(n_blocks: int, n_sms: int) -> int:
-    """batch_attention_wide's warps where the grid has fewer blocks than SMs (each block then makes one
-    pass over twice the keys), else batch_attention's (two blocks per SM)."""
+    """batch_attention_wide's warps where the padded step's grid (KV heads x padded rows) has fewer
+    blocks than SMs (each block then makes one pass over twice the keys), else batch_attention's (two
+    blocks per SM)."""
     return 2 * ATTENTION_WARPS if n_blocks < n_sms else ATTENTION_WARPS
 
 
@@ -189,7 +190,9 @@ def attention_supports(n_heads: int, n_kv: int, head_dim: int) -> bool:
 
 def make_attention(mod, n_rows: int, q, k_cache, v_cache, slot_stride: int, positions, slots, n_heads: int,
                    n_kv: int, hd: int, window: int | None, max_keys: int, out, ldo: int, n_sms: int) -> Launch:
-    warps = attention_warps(n_kv * n_rows, n_sms)
+    # By the padded step's grid, as the GEMV plans: a row's sums do not depend on how many rows share
+    # its step, only on the padded size.
+    warps = attention_warps(n_kv * padded_rows(n_rows), n_sms)
     name = "batch_attention" if warps == ATTENTION_WARPS else "batch_attention_wide"
     return Launch(name, mod.get_function(name), (n_kv, n_rows), (32 * warps,), (
         q, k_cache, v_cache, np.int64(slot_stride), positions, slots, np.int32(n_heads), np.int32(n_kv),

@@ -220,6 +220,25 @@ def test_attention_width_follows_the_grid():
     assert batch_k.attention_warps(32 * 16, 132) == batch_k.ATTENTION_WARPS
 
 
+def test_attention_width_follows_the_padded_step():
+    """The width is chosen by the padded row count, as the GEMV plans are: a row's sums in a step of 1
+    row and of 8 (both padded to 8) come from the same kernel, so a batch changes no row's logits (7B's
+    32 KV heads: 32 blocks at 1 row, 256 padded)."""
+    class Kernel:
+        shared_size_bytes, max_dynamic_shared_size_bytes = 0, 0
+
+    class Module:
+        def get_function(self, name):
+            return Kernel()
+
+    def kernel(n_rows, n_kv):
+        return batch_k.make_attention(Module(), n_rows, 0, 0, 0, 0, 0, 0, n_kv, n_kv, 64, None, 256, 0, 0,
+                                      132).name
+
+    assert kernel(1, 32) == kernel(8, 32) == "batch_attention"                  # 256 blocks padded (32 at 1 row)
+    assert kernel(1, 4) == kernel(32, 4) == "batch_attention_wide"              # 32 to 128 blocks
+
+
 def test_generate_batch_on_the_cpu_is_each_prompt_alone(tmp_path):
     """Without a GPU, generate_batch runs the prompts one after the other: the same texts as generate()."""
     from tinyinfer.runtime.bench import tinf_config
