@@ -67,13 +67,6 @@ TI_DEVICE int ceil_div(int a, int b) {
     return (a + b - 1) / b;
 }
 
-// The first cached row the query at pos attends to: 0, or with a sliding window of `window` > 0
-// positions (Mistral, Qwen2) pos - window + 1 (runtime/reference.py first_key). Every kernel walks
-// rows first_key .. pos, so a windowed step reads at most `window` rows however long the context.
-TI_DEVICE int first_key(int pos, int window) {
-    return window > 0 ? max(0, pos - window + 1) : 0;
-}
-
 // ------------------------------------------------------------------------------- staging rows
 
 // Start copying cache rows [r0, r1) of KV head kvh into k_s/v_s (row r0 at index 0, `stride` halves
@@ -478,14 +471,6 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS, 2) ATT_CLUSTER_DIMS at
 // block of the group's first head writes it to the cache.
 #define ATT_ROW_REGS 8          // K/V rows per lane group per pass, held in registers
 
-// One 16-byte piece of a cached K or V row, loaded before the PDL wait: rows below pos are not
-// written while this kernel runs.
-TI_DEVICE uint4 load_cached_piece(const __half* p) {
-    uint4 v;
-    asm volatile("ld.global.nc.v4.u32 {%0,%1,%2,%3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-    return v;
-}
-
 // Dims 8 piece .. 8 piece + 7 of x (hd values, an activation: coherent loads) after rotate-half
 // RoPE with the tables of one position. hd is a multiple of 8, so hd/2 is one of 4 and each half
 // of the piece lies on one side of hd/2, its partners and table entries 4 contiguous, aligned
@@ -759,17 +744,6 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS, 2) attention_rows(
 // same lane), and the lanes of warp 0 with g = 0 write the row to the cache.
 #define MMA_WARPS 8             // warps per block
 #define MMA_MAX_GROUP 8         // query heads per KV head (A rows 8-15 carry the low halves)
-
-// movmatrix: lane (g, t) holding M[g][2t .. 2t+1] of an 8x8 fp16 matrix gets M[2t .. 2t+1][g].
-TI_DEVICE u32 transpose8x8(u32 v) {
-    u32 r;
-    asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(r) : "r"(v));
-    return r;
-}
-
-TI_DEVICE u32 word_of(const uint4& v, int i) {
-    return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
-}
 
 // Dims 8 t + 32 i .. + 7 (i < PIECES / 2) of one row of a RoPE table (cos or sin of one position),
 // which the backend writes once: read-only for the kernel's life, so they may load before the PDL wait.

@@ -62,10 +62,6 @@ TI_DEVICE u32 q8_scaled_pair(u32 flipped, u32 selector, __half2 scale) {
     return as_u32(__hmul2(__hsub2(*reinterpret_cast<const __half2*>(&bits), __float2half2_rn(1152.f)), scale));
 }
 
-TI_DEVICE u32 word_of(const uint4& v, int j) {
-    return j == 0 ? v.x : j == 1 ? v.y : j == 2 ? v.z : v.w;
-}
-
 // One item of a warp: 16 rows (two 8-row blocks) x one piece, and the rows' scales (q4, q8).
 struct WeightItem {
     uint4 lo, hi;           // row g and row g + 8 of the tile (the lane's 16 bytes of each)
@@ -651,6 +647,214 @@ extern "C" __global__ void __launch_bounds__(2 * BA_WARPS * 32, 1) batch_attenti
     attention_row<2 * BA_WARPS>(q, k_cache, v_cache, slot_stride, positions, slots, n_heads, n_kv, hd, window,
                                 max_keys, out, ldo);
 }
+
+// ------------------------------------------------------------------------------- tensor cores
+//
+// batch_attention_mma: one (KV head, row) per block as batch_attention, the products on the tensor
+// cores as attention.cu's attention_mma (its fragment layout and FlashAttention state per warp; see
+// there): head g of the group is A's row g (q's fp16 value) and g + 8 (its rounding error), K and V
+// rows are B operands held in registers, 16-byte loads, no scores in shared memory (so no bound on
+// positions from it), warps merged through shared memory at the end. What differs from the batch-1
+// kernel: q arrives rotated and times 1/sqrt(hd) from batch_rope_store (fp32 [B][n_heads][hd]) and
+// this step's K/V row is already in the cache, so rows below pos of the first pass load before the
+// PDL wait and row pos after it through L2; the output is fp16 [B][ldo]; no context split. WARPS
+// warps a block: 8 where the grid has fewer blocks than SMs, else 4 (a block holds ~170 registers a
+// thread, so 8 warps are one block an SM).
+template <int HD, int WARPS>
+TI_DEVICE void attention_row_mma(const float* q, const __half* k_cache, const __half* v_cache, long long slot_stride,
+                                 const int* __restrict__ positions, const int* __restrict__ slots, int n_heads,
+                                 int n_kv, int window, int max_keys, __half* out, int ldo)
+{
+    constexpr int PIECES = HD / 32;          // 16-byte pieces of a row per lane
+    constexpr int BLOCKS = 128 / HD;         // 16-row blocks per warp per pass
+    constexpr int WARP_ROWS = 16 * BLOCKS;
+    constexpr int PASS_ROWS = WARPS * WARP_ROWS;
+    constexpr int TILES = HD / 8;            // output tiles of p . V, tile 4 i + w
+    __shared__ __align__(16) float warp_o[WARPS][BA_MAX_GROUP][HD];   // each warp's unnormalised output
+    __shared__ float warp_ml[WARPS][BA_MAX_GROUP][2];                 // and its (max, sum) per head
+    const int kvh = blockIdx.x, b = blockIdx.y, group = n_heads / n_kv;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const u32 row_stride = (u32)(n_kv * HD);
+    const size_t slot_base = (size_t)slots[b] * slot_stride + kvh * HD + 8 * t;     // (the row table: host-written)
+    const __half* k_src = k_cache + slot_base;
+    const __half* v_src = v_cache + slot_base;
+    const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+    auto row_of = [&](int first, int blk, int n) { return first + warp * WARP_ROWS + 16 * blk + 8 * n + g; };
+    uint4 kr[BLOCKS][2][PIECES], vr[BLOCKS][2][PIECES];
+
+    pdl_launch_dependents();
+    const int pos = positions[b], len = pos + 1, lo = first_key(pos, window);
+    // The first pass's rows below pos, before the wait (prefill or earlier steps wrote them). As in
+    // attention_mma, the loads sit in branches of a loop with a bound ptxas cannot resolve and the wait
+    // depends on the last row loaded, or ptxas predicates the loads and moves the wait above them.
+    const int opaque_tiles = (max_keys + 7) >> 3;
+    int last_loaded = -1;
+#pragma unroll
+    for (int blk = 0; blk < BLOCKS; ++blk)
+#pragma unroll
+        for (int n = 0; n < 2; ++n)
+#pragma unroll
+            for (int i = 0; i < PIECES; ++i) kr[blk][n][i] = vr[blk][n][i] = zero;
+#pragma unroll
+    for (int bn = 0; bn < 2 * BLOCKS; ++bn) {
+        if (bn >= opaque_tiles) break;
+        const int blk = bn >> 1, n = bn & 1, r = row_of(lo, blk, n);
+        if (r < pos) {
+#pragma unroll
+            for (int i = 0; i < PIECES; ++i) {
+                kr[blk][n][i] = load_cached_piece(k_src + (u32)r * row_stride + 32 * i);
+                vr[blk][n][i] = load_cached_piece(v_src + (u32)r * row_stride + 32 * i);
+            }
+            last_loaded = r;
+        }
+    }
+    asm volatile("" : "+r"(last_loaded));
+    if (last_loaded != (int)0x80000000) pdl_wait();
+
+    // Row pos (batch_rope_store's) where it falls in the first pass, and q of head g (zero rows past
+    // the group) in log2 units.
+    auto place_new_row = [&](int first) {
+#pragma unroll
+        for (int blk = 0; blk < BLOCKS; ++blk)
+#pragma unroll
+            for (int n = 0; n < 2; ++n)
+                if (row_of(first, blk, n) == pos)
+#pragma unroll
+                    for (int i = 0; i < PIECES; ++i) {
+                        kr[blk][n][i] = __ldcg(reinterpret_cast<const uint4*>(k_src + (u32)pos * row_stride + 32 * i));
+                        vr[blk][n][i] = __ldcg(reinterpret_cast<const uint4*>(v_src + (u32)pos * row_stride + 32 * i));
+                    }
+    };
+    place_new_row(lo);
+    float qf[PIECES][8];
+    const float* q_head = q + ((size_t)b * n_heads + kvh * group + min(g, group - 1)) * HD + 8 * t;
+#pragma unroll
+    for (int i = 0; i < PIECES; ++i) load8_activation(q_head + 32 * i, qf[i]);
+    const float q_scale = g < group ? 1.4426950408889634f : 0.f;     // log2(e): scores in base 2
+    u32 qa[PIECES][2][4];                    // A fragments of k step (i, h)
+#pragma unroll
+    for (int i = 0; i < PIECES; ++i)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            split_half2(qf[i][4 * h] * q_scale, qf[i][4 * h + 1] * q_scale, qa[i][h][0], qa[i][h][1]);
+            split_half2(qf[i][4 * h + 2] * q_scale, qf[i][4 * h + 3] * q_scale, qa[i][h][2], qa[i][h][3]);
+        }
+
+    float m = -TI_INF, l = 0.f;              // head g: running max (log2 domain), this lane's share of the sum
+    float o[TILES][4];                       // C fragments of p . V: rows g (P hi) and g + 8 (P lo)
+#pragma unroll
+    for (int j = 0; j < TILES; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
+    for (int first = lo; first < len; first += PASS_ROWS) {
+        if (first + warp * WARP_ROWS >= len) break;               // (uniform across the warp)
+        if (first != lo) {                    // later passes: rows below pos, then row pos if here
+#pragma unroll
+            for (int blk = 0; blk < BLOCKS; ++blk)
+#pragma unroll
+                for (int n = 0; n < 2; ++n) {
+                    const int r = row_of(first, blk, n);
+#pragma unroll
+                    for (int i = 0; i < PIECES; ++i) {
+                        kr[blk][n][i] = r < pos ? load_cached_piece(k_src + (u32)r * row_stride + 32 * i) : zero;
+                        vr[blk][n][i] = r < pos ? load_cached_piece(v_src + (u32)r * row_stride + 32 * i) : zero;
+                    }
+                }
+            place_new_row(first);
+        }
+        float p[BLOCKS][2][2];
+        float top = -TI_INF;
+#pragma unroll
+        for (int blk = 0; blk < BLOCKS; ++blk)
+#pragma unroll
+            for (int n = 0; n < 2; ++n) {
+                float sc[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+                for (int i = 0; i < PIECES; ++i)
+#pragma unroll
+                    for (int h = 0; h < 2; ++h)
+                        mma_16816(sc, qa[i][h][0], qa[i][h][1], qa[i][h][2], qa[i][h][3],
+                                  word_of(kr[blk][n][i], 2 * h), word_of(kr[blk][n][i], 2 * h + 1));
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const int r = first + warp * WARP_ROWS + 16 * blk + 8 * n + 2 * t + e;
+                    p[blk][n][e] = r < len ? sc[e] + sc[2 + e] : -TI_INF;
+                    top = fmaxf(top, p[blk][n][e]);
+                }
+            }
+        top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, 1));   // the four lanes of head g
+        top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, 2));
+        const float m_new = fmaxf(m, top);                        // finite: the warp has a row here
+        const float corr = m == -TI_INF ? 0.f : exp2f(m - m_new);
+        l *= corr;
+#pragma unroll
+        for (int j = 0; j < TILES; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) o[j][e] *= corr;
+        m = m_new;
+#pragma unroll
+        for (int blk = 0; blk < BLOCKS; ++blk) {
+            u32 pa[4];                       // A of p . V over the block's 16 rows
+#pragma unroll
+            for (int n = 0; n < 2; ++n) {
+                const float p0 = exp2f(p[blk][n][0] - m_new), p1 = exp2f(p[blk][n][1] - m_new);
+                l += p0 + p1;
+                split_half2(p0, p1, pa[2 * n], pa[2 * n + 1]);
+            }
+#pragma unroll
+            for (int i = 0; i < PIECES; ++i)
+#pragma unroll
+                for (int w = 0; w < 4; ++w)
+                    mma_16816(o[4 * i + w], pa[0], pa[1], pa[2], pa[3], transpose8x8(word_of(vr[blk][0][i], w)),
+                              transpose8x8(word_of(vr[blk][1][i], w)));
+        }
+    }
+
+    // The warps' states through shared memory, then each output merged over the warps in order.
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    if (g < group) {
+#pragma unroll
+        for (int i = 0; i < PIECES; ++i)
+#pragma unroll
+            for (int w = 0; w < 4; ++w)
+                *reinterpret_cast<float2*>(&warp_o[warp][g][32 * i + 8 * t + 2 * w]) =
+                    make_float2(o[4 * i + w][0] + o[4 * i + w][2], o[4 * i + w][1] + o[4 * i + w][3]);
+        if (t == 0) {
+            warp_ml[warp][g][0] = m;
+            warp_ml[warp][g][1] = l;
+        }
+    }
+    __syncthreads();
+    for (int idx = threadIdx.x; idx < group * HD; idx += blockDim.x) {
+        const int h = idx / HD, d = idx % HD;
+        float top = -TI_INF;
+#pragma unroll
+        for (int w = 0; w < WARPS; ++w) top = fmaxf(top, warp_ml[w][h][0]);
+        float num = 0.f, den = 0.f;
+#pragma unroll
+        for (int w = 0; w < WARPS; ++w) {
+            const float mw = warp_ml[w][h][0];
+            const float f = mw == -TI_INF ? 0.f : exp2f(mw - top);
+            num += warp_o[w][h][d] * f;
+            den += warp_ml[w][h][1] * f;
+        }
+        out[(size_t)b * ldo + (kvh * group + h) * HD + d] = __float2half_rn(num / den);
+    }
+}
+
+// Grid (n_kv, B); HD 64 or 128, groups of at most BA_MAX_GROUP query heads.
+#define TI_BATCH_ATTENTION_MMA(HD, WARPS)                                                                     \
+    extern "C" __global__ void __launch_bounds__(32 * WARPS, 1) batch_attention_mma##HD##_##WARPS(            \
+        const float* q, const __half* k_cache, const __half* v_cache, long long slot_stride,                  \
+        const int* __restrict__ positions, const int* __restrict__ slots, int n_heads, int n_kv, int hd,       \
+        int window, int max_keys, __half* out, int ldo) {                                                     \
+        attention_row_mma<HD, WARPS>(q, k_cache, v_cache, slot_stride, positions, slots, n_heads, n_kv, window, \
+                                     max_keys, out, ldo);                                                     \
+    }
+TI_BATCH_ATTENTION_MMA(64, 4)
+TI_BATCH_ATTENTION_MMA(64, 8)
+TI_BATCH_ATTENTION_MMA(128, 4)
+TI_BATCH_ATTENTION_MMA(128, 8)
 
 // out[b][c] = silu(gate) * up as fp16, from the gate/up linear's slices (rows: ffn gate then ffn up).
 // Grid-stride over B * ffn.

@@ -27,6 +27,8 @@ BLOCK_START_ITEMS = 2        # gemv_cost: a block's start, in items
 ATTENTION_WARPS = 8          # BA_WARPS (batch_attention_wide: twice as many)
 ATTENTION_UNROLL = 4         # BA_UNROLL: key rows in flight per lane
 MAX_GROUP = 8                # BA_MAX_GROUP: query heads per KV head
+MMA_HEAD_DIMS = (64, 128)    # batch_attention_mma's instances
+MMA_WARPS = 4                # its narrow instance's warps (the wide one: twice as many)
 MAX_SHARED_BYTES = 227 << 10  # a block's opt-in shared memory on Hopper, where the device does not say
 MAX_ROWS = 32
 RMSNORM_THREADS = 1024       # BR_THREADS: batch_rmsnorm's largest block
@@ -174,13 +176,31 @@ def attention_warps(n_blocks: int, n_sms: int) -> int:
     return 2 * ATTENTION_WARPS if n_blocks < n_sms else ATTENTION_WARPS
 
 
+def uses_mma(head_dim: int, group: int) -> bool:
+    """batch_attention_mma serves head_dim 64 and 128 (groups up to MAX_GROUP); other shapes take the
+    scalar kernels, whose scores in shared memory bound the positions per slot."""
+    return head_dim in MMA_HEAD_DIMS and group <= MAX_GROUP
+
+
+def attention_kernel(head_dim: int, group: int, n_blocks: int, n_sms: int) -> str:
+    """The batched attention kernel for a padded step's grid of n_blocks (KV heads x padded rows): the
+    tensor-core one with 8 warps a block where the grid has fewer blocks than SMs, else 4 (two or
+    three blocks an SM); the scalar ones by attention_warps."""
+    if uses_mma(head_dim, group):
+        return f"batch_attention_mma{head_dim}_{2 * MMA_WARPS if n_blocks < n_sms else MMA_WARPS}"
+    return "batch_attention" if attention_warps(n_blocks, n_sms) == ATTENTION_WARPS else "batch_attention_wide"
+
+
 def attention_shared_bytes(head_dim: int, max_keys: int, group: int, warps: int = ATTENTION_WARPS) -> int:
     """The scores and the warps' p . V sums of one block: every query head of a KV head's group."""
     return 4 * group * (max_keys + warps * head_dim)
 
 
-def attention_max_keys(shared_bytes: int, head_dim: int, group: int) -> int:
-    """The most positions whose scores fit a block's shared memory at either width (attention_shared_bytes)."""
+def attention_max_keys(shared_bytes: int, head_dim: int, group: int) -> int | None:
+    """The most positions whose scores fit a block's shared memory at either width of the scalar
+    kernels (attention_shared_bytes); None where the tensor-core kernel serves the shape (no bound)."""
+    if uses_mma(head_dim, group):
+        return None
     return shared_bytes // (4 * group) - 2 * ATTENTION_WARPS * head_dim
 
 
@@ -189,15 +209,22 @@ def attention_supports(n_heads: int, n_kv: int, head_dim: int) -> bool:
 
 
 def make_attention(mod, n_rows: int, q, k_cache, v_cache, slot_stride: int, positions, slots, n_heads: int,
-                   n_kv: int, hd: int, window: int | None, max_keys: int, out, ldo: int, n_sms: int) -> Launch:
-    # By the padded step's grid, as the GEMV plans: a row's sums do not depend on how many rows share
-    # its step, only on the padded size.
-    warps = attention_warps(n_kv * padded_rows(n_rows), n_sms)
-    name = "batch_attention" if warps == ATTENTION_WARPS else "batch_attention_wide"
-    return Launch(name, mod.get_function(name), (n_kv, n_rows), (32 * warps,), (
+                   n_kv: int, hd: int, window: int | None, max_keys: int, out, ldo: int, n_sms: int,
+                   kernel: str | None = None) -> Launch:
+    """kernel: force one (tests); by default attention_kernel's choice. It goes by the padded step's
+    grid, as the GEMV plans: a row's sums do not depend on how many rows share its step, only on the
+    padded size."""
+    group = n_heads // n_kv
+    name = kernel or attention_kernel(hd, group, n_kv * padded_rows(n_rows), n_sms)
+    if name.startswith("batch_attention_mma"):
+        threads, shared = 32 * int(name.rsplit("_", 1)[1]), 0
+    else:
+        warps = ATTENTION_WARPS if name == "batch_attention" else 2 * ATTENTION_WARPS
+        threads, shared = 32 * warps, attention_shared_bytes(hd, max_keys, group, warps)
+    return Launch(name, mod.get_function(name), (n_kv, n_rows), (threads,), (
         q, k_cache, v_cache, np.int64(slot_stride), positions, slots, np.int32(n_heads), np.int32(n_kv),
         np.int32(hd), np.int32(window or 0), np.int32(max_keys), out, np.int32(ldo)),
-        shared_mem=attention_shared_bytes(hd, max_keys, n_heads // n_kv, warps), waits=True)
+        shared_mem=shared, waits=True)
 
 
 def make_swiglu(mod, n_rows: int, parts, plan, ffn: int, out, ldo: int) -> Launch:

@@ -237,6 +237,32 @@ TI_DEVICE void load_pending8(const long long* pending, float (&v)[8], bool coher
     }
 }
 
+// The first cached row the query at pos attends to: 0, or with a sliding window of `window` > 0
+// positions (Mistral, Qwen2) pos - window + 1 (runtime/reference.py first_key). Every kernel walks
+// rows first_key .. pos, so a windowed step reads at most `window` rows however long the context.
+TI_DEVICE int first_key(int pos, int window) {
+    return window > 0 ? max(0, pos - window + 1) : 0;
+}
+
+// One 16-byte piece of a cached K or V row, loaded before the PDL wait: rows below pos are not
+// written while this kernel runs.
+TI_DEVICE uint4 load_cached_piece(const __half* p) {
+    uint4 v;
+    asm volatile("ld.global.nc.v4.u32 {%0,%1,%2,%3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
+}
+
+// movmatrix: lane (g, t) holding M[g][2t .. 2t+1] of an 8x8 fp16 matrix gets M[2t .. 2t+1][g].
+TI_DEVICE u32 transpose8x8(u32 v) {
+    u32 r;
+    asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(r) : "r"(v));
+    return r;
+}
+
+TI_DEVICE u32 word_of(const uint4& v, int i) {
+    return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
+}
+
 // (a, b) = hi + lo / lo_scale in two fp16 pairs: hi the rounded pair, lo its rounding error times
 // lo_scale. Products with both (as mma operands, fp32 accumulation) are as exact as with the fp32
 // values. The rounding error is at most 2^-11 of the value, so lo_scale = 2^11 keeps lo within the

@@ -158,13 +158,16 @@ class BatchEngine:
 
     def fit_attention(self, max_context: int | None) -> int:
         """The positions per slot: max_context (at most the backend's), or by default as many as the
-        attention's scores hold in shared memory; refused where a given max_context does not fit."""
+        scalar attention's scores hold in shared memory where that kernel serves the model; refused
+        where a given max_context does not fit."""
         c, cp = self.config, self.cp
         props = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)
         shared = int(props.get("sharedMemPerBlockOptin", batch_k.MAX_SHARED_BYTES))
         group = c["n_heads"] // c["n_kv_heads"]
         most = batch_k.attention_max_keys(shared, c["head_dim"], group)
         wanted = min(max_context or self.backend.max_context, self.backend.max_context)
+        if most is None:
+            return wanted
         if max_context is None:
             return min(wanted, most)
         if wanted > most:

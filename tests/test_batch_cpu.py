@@ -211,19 +211,24 @@ def test_attention_lanes_read_every_key_once(hd, n_heads, n_kv, window, warps):
     assert np.allclose(got, expected, rtol=2e-3, atol=2e-3)
 
 
-def test_attention_width_follows_the_grid():
-    """Fewer (KV head, row) blocks than SMs: the wide kernel (one pass over twice the keys); a grid that
-    fills the SMs: two narrow blocks per SM (TinyLlama's 4 KV heads at 16 rows against 7B's 32)."""
+def test_attention_kernel_follows_the_grid():
+    """Fewer (KV head, row) blocks than SMs: the wide kernels (8 warps of the tensor-core one, one pass
+    over twice the keys in the scalar one); a grid that fills the SMs: narrow blocks, several an SM.
+    Head dims other than 64 and 128 take the scalar kernels."""
     assert batch_k.attention_warps(4 * 16, 132) == 2 * batch_k.ATTENTION_WARPS
     assert batch_k.attention_warps(131, 132) == 2 * batch_k.ATTENTION_WARPS
     assert batch_k.attention_warps(132, 132) == batch_k.ATTENTION_WARPS
-    assert batch_k.attention_warps(32 * 16, 132) == batch_k.ATTENTION_WARPS
+    assert batch_k.attention_kernel(64, 8, 4 * 16, 132) == "batch_attention_mma64_8"
+    assert batch_k.attention_kernel(128, 1, 32 * 16, 132) == "batch_attention_mma128_4"
+    assert batch_k.attention_kernel(96, 2, 6 * 16, 132) == "batch_attention_wide"
+    assert batch_k.attention_kernel(96, 2, 6 * 32, 132) == "batch_attention"
+    assert batch_k.attention_kernel(64, 16, 8, 132) == "batch_attention_wide"        # groups over 8: scalar
 
 
-def test_attention_width_follows_the_padded_step():
-    """The width is chosen by the padded row count, as the GEMV plans are: a row's sums in a step of 1
-    row and of 8 (both padded to 8) come from the same kernel, so a batch changes no row's logits (7B's
-    32 KV heads: 32 blocks at 1 row, 256 padded)."""
+def test_attention_kernel_follows_the_padded_step():
+    """The kernel is chosen by the padded row count, as the GEMV plans are: a row's sums in a step of
+    1 row and of 8 (both padded to 8) come from the same kernel, so a batch changes no row's logits
+    (7B's 32 KV heads: 32 blocks at 1 row, 256 padded)."""
     class Kernel:
         shared_size_bytes, max_dynamic_shared_size_bytes = 0, 0
 
@@ -231,12 +236,13 @@ def test_attention_width_follows_the_padded_step():
         def get_function(self, name):
             return Kernel()
 
-    def kernel(n_rows, n_kv):
-        return batch_k.make_attention(Module(), n_rows, 0, 0, 0, 0, 0, 0, n_kv, n_kv, 64, None, 256, 0, 0,
+    def kernel(n_rows, n_kv, hd):
+        return batch_k.make_attention(Module(), n_rows, 0, 0, 0, 0, 0, 0, n_kv, n_kv, hd, None, 256, 0, 0,
                                       132).name
 
-    assert kernel(1, 32) == kernel(8, 32) == "batch_attention"                  # 256 blocks padded (32 at 1 row)
-    assert kernel(1, 4) == kernel(32, 4) == "batch_attention_wide"              # 32 to 128 blocks
+    assert kernel(1, 32, 128) == kernel(8, 32, 128) == "batch_attention_mma128_4"
+    assert kernel(1, 32, 96) == kernel(8, 32, 96) == "batch_attention"
+    assert kernel(1, 4, 64) == kernel(32, 4, 64) == "batch_attention_mma64_8"    # 32 to 128 blocks
 
 
 def test_generate_batch_on_the_cpu_is_each_prompt_alone(tmp_path):
@@ -441,12 +447,13 @@ def kernel_parameters(source: str, name: str) -> list[str]:
     from tinyinfer.kernels.build import source_text
 
     text = source_text(source)
+    name = re.sub(r"^batch_attention_mma\d+_\d+$", "batch_attention_mma##HD##_##WARPS", name)   # a macro's instances
     start = re.search(rf"\b{re.escape(name)}\(", text).end()
     depth, end = 1, start
     while depth:
         depth += {"(": 1, ")": -1}.get(text[end], 0)
         end += 1
-    return [p.strip() for p in re.sub(r"//[^\n]*", "", text[start: end - 1]).split(",")]
+    return [p.strip() for p in re.sub(r"//[^\n]*", "", text[start: end - 1]).replace("\\", "").split(",")]
 
 
 def expected_kind(parameter: str) -> str:
@@ -528,6 +535,9 @@ def check_threads(name: str, grid, block, args) -> None:
     elif name in ("batch_attention", "batch_attention_wide"):
         warps = batch_k.ATTENTION_WARPS * (2 if name == "batch_attention_wide" else 1)
         assert block[0] == 32 * warps and grid[0] == int(args[7])
+    elif name.startswith("batch_attention_mma"):
+        assert block[0] == 32 * int(name.rsplit("_", 1)[1]) and grid[0] == int(args[7])
+        assert int(args[8]) == int(name[len("batch_attention_mma"):].split("_")[0])       # its head_dim
 
 
 class EmulatedKernel(FakeKernel):
@@ -599,6 +609,8 @@ class EmulatedKernel(FakeKernel):
         out.reshape(-1, int(ldo))[:n, : n_heads * hd] = got
 
     run_batch_attention_wide = run_batch_attention
+    run_batch_attention_mma64_4 = run_batch_attention_mma64_8 = run_batch_attention
+    run_batch_attention_mma128_4 = run_batch_attention_mma128_8 = run_batch_attention
 
     def run_batch_swiglu(self, grid, args):
         parts, n_slices, stride, n_rows, ffn, out, ldo = args

@@ -98,17 +98,19 @@ def test_gemv_matches_its_reference(cupy_gpu, mod, encoding, rows, cols, group, 
     assert_rows_close(got, expected, 1e-4, f"gemv {encoding} {rows}x{cols} g{group} rows {padded} {plan}")
 
 
-def request_name(n_sms: int) -> str:
-    return "batch_attention" if n_sms == 1 else "batch_attention_wide"
+ATTENTION_KERNELS = ["batch_attention", "batch_attention_wide", "batch_attention_mma{hd}_4", "batch_attention_mma{hd}_8"]
 
 
 @pytest.mark.parametrize("head_dim, n_heads, n_kv", [(64, 32, 4), (128, 32, 32), (64, 12, 12), (96, 12, 6),
                                                      (128, 32, 4)])
 @pytest.mark.parametrize("window", [None, 9])
-@pytest.mark.parametrize("n_sms", [1, 1024], ids=["batch_attention", "batch_attention_wide"])
-def test_attention_matches_its_reference(cupy_gpu, mod, head_dim, n_heads, n_kv, window, n_sms):
-    """Rows at different positions (0, short, long) in different slots, two rows in one slot; groups of
-    1, 2 and 8 query heads per KV head; both widths (the SM count picks one)."""
+@pytest.mark.parametrize("kernel", ATTENTION_KERNELS, ids=lambda k: k.replace("{hd}", ""))
+def test_attention_matches_its_reference(cupy_gpu, mod, head_dim, n_heads, n_kv, window, kernel):
+    """Rows at different positions (0, short, long: two of the tensor-core kernel's passes at 300
+    keys) in different slots, two rows in one slot; groups of 1, 2 and 8 query heads per KV head; every
+    kernel at both widths (the tensor-core one for head_dim 64 and 128)."""
+    if "{hd}" in kernel and not batch_k.uses_mma(head_dim, n_heads // n_kv):
+        pytest.skip("the tensor-core kernel serves head_dim 64 and 128")
     cp = cupy_gpu
     rng = np.random.default_rng(head_dim + n_heads + (window or 0))
     slots, ctx = 4, 300
@@ -117,10 +119,11 @@ def test_attention_matches_its_reference(cupy_gpu, mod, head_dim, n_heads, n_kv,
     v = rng.standard_normal((slots, ctx, n_kv, head_dim)).astype(np.float16)
     q = (rng.standard_normal((5, n_heads, head_dim)) / math.sqrt(head_dim)).astype(np.float32)
     out = cp.full((5, n_heads * head_dim + 64), np.nan, dtype=cp.float16)
+    name = kernel.format(hd=head_dim)
     launch = batch_k.make_attention(mod, 5, cp.asarray(q), cp.asarray(k), cp.asarray(v), ctx * n_kv * head_dim,
                                     cp.asarray(positions.astype(np.int32)), cp.asarray(row_slots.astype(np.int32)),
-                                    n_heads, n_kv, head_dim, window, ctx, out, out.shape[1], n_sms)
-    assert launch.name == request_name(n_sms)
+                                    n_heads, n_kv, head_dim, window, ctx, out, out.shape[1], 132, kernel=name)
+    assert launch.name == name
     launch()
     got = out[:, : n_heads * head_dim].get().astype(np.float32)
     expected = batch_k.attention_reference(q, k, v, positions, row_slots, window).astype(np.float32)
