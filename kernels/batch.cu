@@ -129,21 +129,19 @@ TI_DEVICE void stage_h(uint4* hs, const __half* h, int ldh, int p0, int np) {
     const int total = np * per_piece;
     for (int i0 = threadIdx.x; i0 < total; i0 += BG_STAGE_LOADS * blockDim.x) {
         uint4 v[BG_STAGE_LOADS];
+        int at[BG_STAGE_LOADS];                           // each load's place in hs
 #pragma unroll
         for (int u = 0; u < BG_STAGE_LOADS; ++u) {
-            const int i = min(i0 + u * (int)blockDim.x, total - 1);     // clamped: no predicate on the loads
+            // Clamped, so the loads need no predicate: past the end, the last entry again.
+            const int i = min(i0 + u * (int)blockDim.x, total - 1);
             const int p = i / per_piece, e = i % per_piece;
             const int j = e % E::quads, tt = (e / E::quads) & 3, b = e / (4 * E::quads);
             v[u] = __ldcg(reinterpret_cast<const uint4*>(h + (size_t)b * ldh + (size_t)(p0 + p) * E::piece_cols
                                                          + E::piece_cols / 4 * tt + 8 * j));
+            at[u] = ((p * NB + (b >> 3)) * E::quads + j) * 32 + (b & 7) * 4 + tt;
         }
 #pragma unroll
-        for (int u = 0; u < BG_STAGE_LOADS; ++u) {
-            const int i = min(i0 + u * (int)blockDim.x, total - 1);     // past the end: the last entry again
-            const int p = i / per_piece, e = i % per_piece;
-            const int j = e % E::quads, tt = (e / E::quads) & 3, b = e / (4 * E::quads);
-            hs[((p * NB + (b >> 3)) * E::quads + j) * 32 + (b & 7) * 4 + tt] = staged_quad<ENC>(v[u]);
-        }
+        for (int u = 0; u < BG_STAGE_LOADS; ++u) hs[at[u]] = staged_quad<ENC>(v[u]);
     }
 }
 
