@@ -50,8 +50,7 @@ def run_streams(engine, prompts, n_tokens: int) -> dict:
     engine.step_times.clear()
     full_steps, profile = [], None
     while engine.has_work():
-        joined = sum(1 for s in slots if s in engine.sequences and engine.sequences[s].decoding
-                     and s not in engine.waiting)
+        joined = sum(1 for s in slots if s in engine.sequences and s not in engine.waiting)
         events = engine.step()
         if joined == len(prompts) and len(events) == len(prompts):
             full_steps.append(engine.step_times[-1])
@@ -59,6 +58,46 @@ def run_streams(engine, prompts, n_tokens: int) -> dict:
                 profile = engine.profile_step(bucket_for(len(prompts)))
     total = time.perf_counter() - started
     return {"full_steps": full_steps, "total_s": total, "profile_ms": profile or {}}
+
+
+def prompt_intake(engine, prompt, beside: list, step_prefill: int) -> dict:
+    """One prompt's time to first token and the longest step meanwhile, with the engine's prompts of
+    more than step_prefill positions left prefilled by GEMM (else in the steps' rows), beside the
+    `beside` prompts already decoding (their budgets outlast the intake)."""
+    engine.step_prefill = step_prefill
+    running = [engine.submit(p, max_new_tokens=engine.max_context - p.size) for p in beside]
+    while any(s in engine.waiting for s in running):
+        engine.step()
+    started = time.perf_counter()
+    slot, longest, events = engine.submit(prompt, max_new_tokens=1), 0.0, {}
+    while slot not in events:
+        tick = time.perf_counter()
+        events = engine.step()                   # (a GEMM prefill included)
+        longest = max(longest, time.perf_counter() - tick)
+    ttft = time.perf_counter() - started
+    for s in running:
+        engine.cancel(s)
+    return {"ttft_ms": round(1e3 * ttft, 2), "longest_step_ms": round(1e3 * longest, 2)}
+
+
+def intake_table(engine, config: dict, lengths: list[int], beside: int) -> list[dict]:
+    """prompt_intake by GEMM (step_prefill 0) and in the steps' rows, idle and beside `beside` streams."""
+    from tinyinfer.runtime.cuda_batch import STEP_PREFILL
+
+    rng = np.random.default_rng(1)
+    others = [rng.integers(3, config["vocab_size"], 16) for _ in range(beside)]
+    rows = []
+    for n in lengths:
+        prompt = rng.integers(3, config["vocab_size"], n)
+        row = {"prompt": n}
+        for how, step_prefill in (("gemm", 0), ("rows", engine.max_context)):
+            for where, running in (("idle", []), (f"beside {beside}", others)):
+                prompt_intake(engine, prompt, running, step_prefill)          # warm-up (graphs, cuBLAS)
+                row[f"{how} {where}"] = prompt_intake(engine, prompt, running, step_prefill)
+        rows.append(row)
+        print(f"prompt intake {n}: {row}", file=sys.stderr)
+    engine.step_prefill = STEP_PREFILL
+    return rows
 
 
 def step_bytes(engine, n_streams: int, mean_position: float) -> dict:
@@ -75,7 +114,8 @@ def step_bytes(engine, n_streams: int, mean_position: float) -> dict:
     return {"weights": weights, "kv": int(kv), "parts": parts}
 
 
-def bench_shape(shape: str, streams: list[int], prompt_len: int, n_tokens: int, tmp: Path) -> dict:
+def bench_shape(shape: str, streams: list[int], prompt_len: int, n_tokens: int, intake: list[int],
+                tmp: Path) -> dict:
     from tinyinfer.runtime import load
     from tinyinfer.runtime.bench import read_bandwidth_gbs, tinf_config, write_random_model
     from tinyinfer.runtime.cuda_batch import BUCKETS, BatchEngine
@@ -86,14 +126,14 @@ def bench_shape(shape: str, streams: list[int], prompt_len: int, n_tokens: int, 
     write_random_model(path, config, "q4", reuse_layers=True)
     print(f"{shape}: wrote {path.stat().st_size / 2**30:.2f} GiB in {time.perf_counter() - tick:.1f} s",
           file=sys.stderr)
-    context = prompt_len + n_tokens
+    context = max([prompt_len + n_tokens, *(n + 64 for n in intake)])
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, config["vocab_size"], prompt_len) for _ in range(max(streams))]
     with load(path, device="cuda", max_context=context) as model:
         backend = model.backend
         single = batch_one_rate(model, list(prompts[0]), n_tokens)
         peak = read_bandwidth_gbs(backend)
-        engine = BatchEngine(backend, slots=max(streams), max_context=context)
+        engine = BatchEngine(backend, slots=max(streams) + (1 if intake else 0), max_context=context)
         for b in sorted({min(k for k in BUCKETS if k >= n) for n in streams}):   # graphs captured before timing
             run_streams(engine, prompts[:b], min(n_tokens, 32))       # (long enough for all b to join)
         rows = []
@@ -120,9 +160,11 @@ def bench_shape(shape: str, streams: list[int], prompt_len: int, n_tokens: int, 
             print(f"{shape} B={n:2d}: {row['aggregate_tok_s']:9.1f} tok/s ({row['speedup_vs_batch1']:.2f}x batch-1), "
                   f"ITL p50 {step_ms:.2f} ms, by kind {row['step_ms_by_kind']}, bytes at {peak:.0f} GB/s: {est_ms}, "
                   f"kernels: {profile}", file=sys.stderr)
+        intake_rows = intake_table(engine, config, intake, 16) if intake else []
         engine.close()
         return {"shape": shape, "gpu": backend.gpu_name, "read_gbs": round(peak, 1), "batch1_tok_s": round(single, 1),
-                "batch1_step_ms": round(1e3 / single, 3), "prompt": prompt_len, "new_tokens": n_tokens, "rows": rows}
+                "batch1_step_ms": round(1e3 / single, 3), "prompt": prompt_len, "new_tokens": n_tokens, "rows": rows,
+                "intake": intake_rows}
 
 
 def main(argv=None) -> int:
@@ -131,13 +173,17 @@ def main(argv=None) -> int:
     parser.add_argument("--streams", default="1,4,8,16,32")
     parser.add_argument("--prompt", type=int, default=128, help="prompt tokens per stream")
     parser.add_argument("--new-tokens", type=int, default=256, help="generated tokens per stream")
+    parser.add_argument("--intake", default="",
+                        help="prompt lengths whose time to first token to measure by GEMM and in the steps' rows, "
+                             "e.g. 16,64,256,1024")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)
     streams = [int(s) for s in args.streams.split(",")]
+    intake = [int(n) for n in args.intake.split(",") if n]
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         for shape in args.shapes.split(","):
-            results.append(bench_shape(shape, streams, args.prompt, args.new_tokens, Path(tmp)))
+            results.append(bench_shape(shape, streams, args.prompt, args.new_tokens, intake, Path(tmp)))
             (Path(tmp) / f"random-{shape}-q4.tinf").unlink()
     for result in results:
         print(f"\n{result['shape']} q4 on {result['gpu']}: batch-1 {result['batch1_tok_s']} tok/s "
@@ -151,6 +197,13 @@ def main(argv=None) -> int:
             print(f"| {row['streams']} | {row['aggregate_tok_s']:,.0f} | {row['speedup_vs_batch1']} | "
                   f"{row['itl_p50_ms']} | {row['itl_p50_vs_batch1_step']} | {row['end_to_end_tok_s']:,.0f} | "
                   f"{b['weights']} / {b['kv']} / {b['parts']} | {share} |")
+        if result["intake"]:
+            modes = [k for k in result["intake"][0] if k != "prompt"]
+            print("\n| prompt | " + " | ".join(f"{m}: TTFT / longest step ms" for m in modes) + " |")
+            print("|---" * (len(modes) + 1) + "|")
+            for row in result["intake"]:
+                print(f"| {row['prompt']} | " + " | ".join(f"{row[m]['ttft_ms']} / {row[m]['longest_step_ms']}"
+                                                      for m in modes) + " |")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
     return 0

@@ -210,10 +210,12 @@ def attention_supports(n_heads: int, n_kv: int, head_dim: int) -> bool:
 
 def make_attention(mod, n_rows: int, q, k_cache, v_cache, slot_stride: int, positions, slots, n_heads: int,
                    n_kv: int, hd: int, window: int | None, max_keys: int, out, ldo: int, n_sms: int,
-                   kernel: str | None = None) -> Launch:
+                   kernel: str | None = None, early: bool = True) -> Launch:
     """kernel: force one (tests); by default attention_kernel's choice. It goes by the padded step's
     grid, as the GEMV plans: a row's sums do not depend on how many rows share its step, only on the
-    padded size."""
+    padded size. early False: no early launch, for a step where a slot has several rows (a prompt's):
+    the kernels load a row's keys below pos before their PDL wait, which holds only where row pos is
+    the slot's one row written in the step."""
     group = n_heads // n_kv
     name = kernel or attention_kernel(hd, group, n_kv * padded_rows(n_rows), n_sms)
     if name.startswith("batch_attention_mma"):
@@ -224,7 +226,7 @@ def make_attention(mod, n_rows: int, q, k_cache, v_cache, slot_stride: int, posi
     return Launch(name, mod.get_function(name), (n_kv, n_rows), (threads,), (
         q, k_cache, v_cache, np.int64(slot_stride), positions, slots, np.int32(n_heads), np.int32(n_kv),
         np.int32(hd), np.int32(window or 0), np.int32(max_keys), out, np.int32(ldo)),
-        shared_mem=shared, waits=True)
+        shared_mem=shared, waits=early)
 
 
 def make_swiglu(mod, n_rows: int, parts, plan, ffn: int, out, ldo: int) -> Launch:

@@ -5,8 +5,8 @@ its RoPE tables, its stream and its prefill kernels. What it adds:
 
   - one KV cache of `slots` + 1 slots [layers][slot][max_context][n_kv][hd] fp16, sized up front by
     a memory plan (the extra slot takes the padding rows of a step);
-  - a decode step over rows (token, position, slot), one row per decoding sequence, as one CUDA
-    graph per batch-size bucket (BUCKETS; a step of n rows replays the smallest bucket >= n):
+  - a step over rows (token, position, slot), as one CUDA graph per batch-size bucket (BUCKETS; a
+    step of n rows replays the smallest bucket >= n):
 
         embed -> per layer [ rmsnorm (+= previous down) -> GEMV qkv -> rope + KV store
                              -> attention (each row over its own slot) -> GEMV o
@@ -14,10 +14,14 @@ its RoPE tables, its stream and its prefill kernels. What it adds:
               -> rmsnorm (+= down) -> GEMV output -> logits + greedy argmax per row -> sample per row
 
     (q4, q8 or f16 linears: kernels/batch.cu; the kernels launched early, as in the batch-1 step);
-  - scheduling: submit() puts a prompt in a free slot, each step() first prefills up to one chunk
-    of the waiting prompts into their slots (cuda_prefill's kernels over a slot's cache), then decodes
-    every sequence whose prompt is in; a sequence leaves at its stop token, its token budget, or
-    cancel(), and its slot is free for the next submit() at once.
+  - scheduling: submit() puts a prompt in a free slot. Each step has one row per decoding sequence,
+    and fills the rows left (up to MAX_ROWS) with the positions of waiting prompts, first come first:
+    a prompt row stores its K/V, and the row of a prompt's last token samples its first token. The
+    step's RoPE + KV store runs for every row before any row's attention, so rows of one prompt see
+    each other's keys. A prompt with more than `step_prefill` positions left first goes through
+    cuda_prefill's GEMMs over its slot's cache, up to one chunk per step (runtime/README.md,
+    "Prefill in the step"). A sequence leaves at its stop token, its token budget, or cancel(), and
+    its slot is free for the next submit() at once.
 
 Sampling on the device (kernels/sampling.cu batch_sample, the step's last kernel): plain greedy rows
 (temperature 0, no repetition penalty) take batch_logits' argmax; the others run sampling.sample()'s
@@ -46,9 +50,10 @@ from tinyinfer.runtime.errors import ContextOverflowError, DeviceError, SlotsFul
 from tinyinfer.runtime.sampling import SamplingParams
 from tinyinfer.runtime.weights_upload import pinned_empty
 
-BUCKETS = (1, 2, 4, 8, 16, 32)     # batch sizes with their own graph
-MAX_SLOTS = BUCKETS[-1]
-PREFILL_CHUNK = 512                # prompt tokens prefilled between two decode steps
+BUCKETS = (1, 2, 4, 8, 16, 32)     # rows per step with their own graph
+MAX_ROWS = MAX_SLOTS = BUCKETS[-1]
+PREFILL_CHUNK = 512                # prompt tokens prefilled by GEMM between two steps
+STEP_PREFILL = 256                 # prompts with at most this many positions left fill the steps' rows
 MARGIN_BYTES = 256 << 20
 H2D, D2H = 1, 2
 PROFILE_HOLD_NS = 30_000_000       # profile_step: long enough to queue a 7B step's ~300 launches
@@ -71,9 +76,9 @@ class Sequence:
     generated: list = field(default_factory=list)
 
     @property
-    def decoding(self) -> bool:
-        """The prompt but its last token is cached: the last one goes through the decode step."""
-        return self.prefilled == self.prompt.size - 1
+    def prompt_left(self) -> int:
+        """Prompt positions still to cache before the sequence decodes."""
+        return self.prompt.size - 1 - self.prefilled
 
     @property
     def position(self) -> int:
@@ -82,6 +87,22 @@ class Sequence:
     @property
     def token(self) -> int:
         return int(self.generated[-1]) if self.generated else int(self.prompt[-1])
+
+
+@dataclass(frozen=True)
+class Row:
+    """One row of a step: a token at a position of a sequence's slot; `samples`: the row's output is
+    the sequence's next token (a decoding sequence, or a prompt's last token), else it only stores
+    the prompt position's K/V."""
+
+    seq: Sequence
+    token: int
+    position: int
+    samples: bool = True
+
+    @property
+    def slot(self) -> int:
+        return self.seq.slot
 
 
 @dataclass(frozen=True)
@@ -128,7 +149,7 @@ class BatchEngine:
     """submit(prompt_ids, params, max_new_tokens) -> slot; step() -> {slot: TokenEvent}; cancel(slot)."""
 
     def __init__(self, backend, slots: int | None = None, max_context: int | None = None,
-                 prefill_chunk: int = PREFILL_CHUNK, keep_logits: bool = False):
+                 prefill_chunk: int = PREFILL_CHUNK, keep_logits: bool = False, step_prefill: int = STEP_PREFILL):
         self.backend = backend
         self.cp = backend.cp
         self.tinf = backend.tinf
@@ -143,13 +164,14 @@ class BatchEngine:
         self.last_logits: dict[int, np.ndarray] = {}
         self.plans: dict[tuple, batch_k.GemvPlan] = {}
         self.prefill_chunk = min(prefill_chunk, cuda_prefill.MAX_CHUNK)
+        self.step_prefill = step_prefill     # prompts with at most this many positions left: in the steps' rows
         self.n_slots = self.check_memory(slots)
         self.mod = batch_k.compile_batch(backend.compute_capability)
         self.sample_mod = sample_k.compile_sampler(backend.compute_capability)   # the batch-1 backend's module
         with self.stream:
             self.allocate()
             self.prefill_ops = cuda_prefill.CudaOps(SlotCache(backend), self.prefill_chunk)
-        self.graphs: dict[int, object] = {}
+        self.graphs: dict[tuple, object] = {}   # by (bucket, prompt rows in the step)
         self.sequences: dict[int, Sequence] = {}
         self.waiting: list[int] = []         # slots whose prompt is being prefilled, first come first
         self.step_times: list[float] = []
@@ -207,7 +229,7 @@ class BatchEngine:
 
     def sampler_bytes(self) -> int:
         """batch_sample's float64 scratch of every row and the slots' histories (int32)."""
-        return 8 * MAX_SLOTS * self.vocab + 4 * (MAX_SLOTS + 1) * self.max_context
+        return 8 * MAX_ROWS * self.vocab + 4 * (MAX_SLOTS + 1) * self.max_context
 
     def check_memory(self, slots: int | None) -> int:
         """The slot count (given, or the most that fit up to MAX_SLOTS); refuse what does not fit."""
@@ -228,12 +250,14 @@ class BatchEngine:
         return slots
 
     def allocate(self) -> None:
-        cp, rows = self.cp, MAX_SLOTS
+        cp, rows = self.cp, MAX_ROWS
         shape = (self.n_layers, self.n_slots + 1, self.max_context, self.n_kv, self.hd)
         self.k_cache = cp.zeros(shape, dtype=cp.float16)
         self.v_cache = cp.zeros(shape, dtype=cp.float16)
         self.slot_stride = self.max_context * self.n_kv * self.hd
-        self.table = cp.zeros((3, rows), dtype=cp.int32)              # tokens, positions, slots
+        # tokens, positions, slots; and the slot whose history the sampler extends (a prompt row's
+        # output is not a token of its sequence, so it goes to the spare slot, as padding rows' do)
+        self.table = cp.zeros((4, rows), dtype=cp.int32)
         self.x = cp.zeros((rows, self.dim), dtype=cp.float32)         # the residual stream
         self.h_norm = cp.zeros((rows, self.kpad("wqkv")), dtype=cp.float16)   # zero padding columns
         self.h_attn = cp.zeros((rows, self.kpad("wo")), dtype=cp.float16)
@@ -242,13 +266,13 @@ class BatchEngine:
         self.parts = cp.zeros(self.parts_floats(), dtype=cp.float32)               # one linear's slices at a time
         self.logits = cp.zeros((rows, self.vocab), dtype=cp.float32)
         self.best = cp.zeros(rows, dtype=cp.int32)
-        self.table_host = pinned_empty(3 * rows, np.int32).reshape(3, rows)
+        self.table_host = pinned_empty(4 * rows, np.int32).reshape(4, rows)
         self.allocate_sampler()
 
     def allocate_sampler(self) -> None:
         """batch_sample's buffers: per row its parameters then its u (one float64 upload with the row
         table), the picked tokens, a float64 scratch row; per slot (the spare one too) its ids by position."""
-        cp, rows = self.cp, MAX_SLOTS
+        cp, rows = self.cp, MAX_ROWS
         self.sampling_host = pinned_empty(rows * (sample_k.P_COUNT + 1), np.float64)
         self.sampling_host[:] = 0
         self.sampling = cp.zeros(rows * (sample_k.P_COUNT + 1), dtype=np.float64)
@@ -262,7 +286,7 @@ class BatchEngine:
     def sampler(self, n: int) -> Launch:
         """The step's last launch: every row's token from its logits (batch_sample)."""
         return sample_k.make_batch_sample(self.sample_mod, n, self.vocab, self.logits, self.best, self.row_params,
-                                          self.row_uniforms, self.table[1], self.table[2], self.history,
+                                          self.row_uniforms, self.table[1], self.table[3], self.history,
                                           self.max_context, self.sample_scratch, self.tokens)
 
     # ------------------------------------------------------------------------- the step
@@ -276,8 +300,8 @@ class BatchEngine:
                                  info.group if quantized else 0, h, h.shape[1], self.parts,
                                  f"gemv {name.rsplit('.', 1)[-1]}")
 
-    def build_step(self, n: int) -> list[Launch]:
-        """The launches of a step of n rows (a bucket)."""
+    def build_step(self, n: int, prompt_rows: bool = False) -> list[Launch]:
+        """The launches of a step of n rows (a bucket); prompt_rows: some slot has several rows."""
         b, mod, c = self.backend, self.mod, self.config
         padded = batch_k.padded_rows(n)
         plan = lambda name: self.plan_for(name, padded)   # noqa: E731
@@ -302,7 +326,8 @@ class BatchEngine:
                                         self.v_cache[i], self.slot_stride),
                 batch_k.make_attention(mod, n, self.q, self.k_cache[i], self.v_cache[i], self.slot_stride, positions,
                                        slots, self.n_heads, self.n_kv, self.hd, c.get("sliding_window"),
-                                       self.max_context, self.h_attn, self.h_attn.shape[1], self.backend.n_sms),
+                                       self.max_context, self.h_attn, self.h_attn.shape[1], self.backend.n_sms,
+                                       early=not prompt_rows),
                 self.gemv(p + "wo", padded, self.h_attn),
                 batch_k.make_rmsnorm(mod, n, self.x, self.parts, plan(p + "wo"), b.f32_view(p + "ffn_norm"), self.dim,
                                      eps, self.h_norm, self.h_norm.shape[1]),
@@ -320,16 +345,17 @@ class BatchEngine:
         ]
         return launches
 
-    def run_step(self, n: int) -> None:
-        """Queue the step of bucket n: its graph, or on first use the launches themselves, then its capture."""
-        graph = self.graphs.get(n)
+    def run_step(self, n: int, prompt_rows: bool = False) -> None:
+        """Queue the step of bucket n (with prompt rows or not): its graph, or on first use the launches
+        themselves, then its capture."""
+        graph = self.graphs.get((n, prompt_rows))
         if graph is not None:
             graph.launch(self.stream)
             return
-        launches = self.build_step(n)
+        launches = self.build_step(n, prompt_rows)
         for launch in launches:
             launch(self.stream, early=self.pdl)
-        self.graphs[n] = self.capture(launches)
+        self.graphs[n, prompt_rows] = self.capture(launches)
 
     def profile_step(self, n: int) -> dict[str, float]:
         """GPU milliseconds per kernel kind of one step of bucket n over the current rows, each launch
@@ -404,14 +430,6 @@ class BatchEngine:
         if slot in self.waiting:
             self.waiting.remove(slot)
 
-    def prefill_some(self, seq: Sequence, n_tokens: int) -> int:
-        """Up to n_tokens more of the prompt (all but its last token) into the sequence's slot; how many."""
-        begin, end = seq.prefilled, min(seq.prefilled + n_tokens, seq.prompt.size - 1)
-        if end > begin:
-            self.prefill_span(seq.slot, seq.prompt[begin: end], begin)
-        seq.prefilled = end
-        return end - begin
-
     def prefill_span(self, slot: int, ids: np.ndarray, start: int) -> None:
         """K/V of ids at positions start.. into the slot (cuda_prefill's kernels over its cache)."""
         ops = self.prefill_ops
@@ -419,63 +437,87 @@ class BatchEngine:
         with self.stream:
             cuda_prefill.run_prefill(ops, self.config, ids, start, ops.chunk, None)
 
-    def advance_prefill(self, must_admit: bool) -> None:
-        """Prefill up to prefill_chunk tokens of the waiting prompts, first come first (so the running
-        sequences wait at most one chunk); with nothing decoding (must_admit), until one prompt is in."""
+    def prefill_long_prompts(self, must_admit: bool) -> None:
+        """GEMM-prefill up to prefill_chunk positions of the waiting prompts with more than step_prefill
+        left, first come first (so the running sequences wait at most one chunk); with nothing else to
+        put in the step's rows (must_admit), until a prompt can go there."""
         budget = self.prefill_chunk
-        while self.waiting:
-            if budget <= 0:
-                if not must_admit:
-                    return
-                budget = self.prefill_chunk
-            seq = self.sequences[self.waiting[0]]
-            budget -= self.prefill_some(seq, budget)
-            if seq.decoding:
-                self.waiting.pop(0)
-                must_admit = False
+        for slot in list(self.waiting):
+            seq = self.sequences[slot]
+            while seq.prompt_left > self.step_prefill and (budget > 0 or must_admit):
+                if budget <= 0:
+                    budget = self.prefill_chunk
+                n = min(budget, seq.prompt_left)
+                self.prefill_span(slot, seq.prompt[seq.prefilled: seq.prefilled + n], seq.prefilled)
+                seq.prefilled += n
+                budget -= n
+            if seq.prompt_left <= self.step_prefill:
+                must_admit = False        # it fills the rows of this step
+
+    def plan_rows(self) -> list[Row]:
+        """The step's rows: each decoding sequence's (by slot), then the waiting prompts' positions, first
+        come first, up to MAX_ROWS; a prompt whose last position fits samples its first token."""
+        rows = [Row(s, s.token, s.position) for s in sorted(self.sequences.values(), key=lambda s: s.slot)
+                if s.slot not in self.waiting]
+        for slot in self.waiting:
+            seq, room = self.sequences[slot], MAX_ROWS - len(rows)
+            if room <= 0:
+                break
+            if seq.prompt_left > self.step_prefill:
+                continue                   # still in GEMM prefill (first, each step)
+            last = min(seq.prefilled + room, seq.prompt.size)
+            rows += [Row(seq, int(seq.prompt[p]), p, samples=p == seq.prompt.size - 1)
+                     for p in range(seq.prefilled, last)]
+        return rows
 
     def step(self) -> dict[int, TokenEvent]:
-        """One decode step of every sequence whose prompt is in (after up to one chunk of prefill):
-        {slot: its new token}. Finished sequences leave, their slots free."""
-        decoding = [s for s in self.sequences.values() if s.decoding and s.slot not in self.waiting]
-        self.advance_prefill(must_admit=not decoding)
-        rows = sorted((s for s in self.sequences.values() if s.decoding and s.slot not in self.waiting),
-                      key=lambda s: s.slot)
+        """One step: every decoding sequence's next token, and as many positions of the waiting prompts
+        as the rows left hold (after up to one chunk of GEMM prefill): {slot: its new token}, for the
+        sequences that sampled. Finished sequences leave, their slots free."""
+        decoding = any(s.slot not in self.waiting for s in self.sequences.values())
+        self.prefill_long_prompts(must_admit=not decoding)
+        rows = self.plan_rows()
         if not rows:
             return {}
         tick = time.perf_counter()
         self.stage_sampling(rows)
         tokens, logits = self.decode(rows, self.keep_logits)
         self.step_times.append(time.perf_counter() - tick)
+        for row in rows:                   # a prompt's rows, by position: cached now
+            if row.position < row.seq.prompt.size - 1:
+                row.seq.prefilled = row.position + 1
+        sampled = [(r, row) for r, row in enumerate(rows) if row.samples]
+        started = {row.slot for _, row in sampled}
+        self.waiting = [slot for slot in self.waiting if slot not in started]
         if self.keep_logits:
-            self.last_logits = {seq.slot: logits[r] for r, seq in enumerate(rows)}
-        return {seq.slot: self.advance(seq, int(tokens[r])) for r, seq in enumerate(rows)}
+            self.last_logits = {row.slot: logits[r] for r, row in sampled}
+        return {row.slot: self.advance(row.seq, int(tokens[r])) for r, row in sampled}
 
-    def stage_sampling(self, rows: list[Sequence]) -> None:
+    def stage_sampling(self, rows: list[Row]) -> None:
         """Row r's parameters and u into the host's sampling buffer (decode uploads it with the row
-        table): one rng.random() per row and token, greedy too, as Backend.generate_ids draws them; rows
-        past the sequences (padding) greedy."""
+        table): one rng.random() per sampling row, greedy too, as Backend.generate_ids draws them;
+        prompt rows and rows past the step's (padding) greedy with u = 0."""
         p = sample_k.P_COUNT
-        params = self.sampling_host[: MAX_SLOTS * p].reshape(MAX_SLOTS, p)
-        uniforms = self.sampling_host[MAX_SLOTS * p:]
-        params[len(rows):] = sample_k.params_array(GREEDY)
-        uniforms[len(rows):] = 0.0
-        for r, seq in enumerate(rows):
-            params[r] = sample_k.params_array(seq.params)
-            uniforms[r] = seq.rng.random()
+        params = self.sampling_host[: MAX_ROWS * p].reshape(MAX_ROWS, p)
+        uniforms = self.sampling_host[MAX_ROWS * p:]
+        params[:], uniforms[:] = sample_k.params_array(GREEDY), 0.0
+        for r, row in enumerate(rows):
+            if row.samples:
+                params[r] = sample_k.params_array(row.seq.params)
+                uniforms[r] = row.seq.rng.random()
 
-    def decode(self, rows: list[Sequence], want_logits: bool):
+    def decode(self, rows: list[Row], want_logits: bool):
         """One step of the rows on the device: (each row's token, logits [rows, vocab] or None)."""
         n = bucket_for(len(rows))
         table = self.table_host
-        table[0, :n], table[1, :n], table[2, :n] = 0, 0, self.n_slots     # padding rows: the spare slot
-        for r, seq in enumerate(rows):
-            table[:, r] = seq.token, seq.position, seq.slot
+        table[0, :n], table[1, :n], table[2, :n], table[3, :n] = 0, 0, self.n_slots, self.n_slots   # padding: the spare slot
+        for r, row in enumerate(rows):
+            table[:, r] = row.token, row.position, row.slot, row.slot if row.samples else self.n_slots
         cp = self.cp
         cp.cuda.runtime.memcpyAsync(self.table.data.ptr, table.ctypes.data, table.nbytes, H2D, self.stream.ptr)
         cp.cuda.runtime.memcpyAsync(self.sampling.data.ptr, self.sampling_host.ctypes.data, self.sampling_host.nbytes,
                                     H2D, self.stream.ptr)
-        self.run_step(n)
+        self.run_step(n, prompt_rows=not all(row.samples for row in rows))
         cp.cuda.runtime.memcpyAsync(self.tokens_host.ctypes.data, self.tokens.data.ptr, 4 * n, D2H, self.stream.ptr)
         logits = self.logits[: len(rows)].get(stream=self.stream) if want_logits else None
         self.stream.synchronize()

@@ -14,7 +14,7 @@ from tinyinfer.kernels import layout
 from tinyinfer.runtime import load
 from tinyinfer.runtime.bench import random_encoded, write_random_model
 from tinyinfer.runtime.cuda_backend import CudaBackend
-from tinyinfer.runtime.cuda_batch import BUCKETS, BatchEngine, bucket_for
+from tinyinfer.runtime.cuda_batch import BUCKETS, MAX_ROWS, BatchEngine, bucket_for
 from tinyinfer.runtime.sampling import SamplingParams
 
 from tinf_samples import stored_bytes  # noqa: E402
@@ -262,14 +262,15 @@ def test_generate_batch_on_the_cpu_is_each_prompt_alone(tmp_path):
 
 
 class ScheduleOnly(BatchEngine):
-    """The engine's scheduling with the device work replaced: prefill spans, history writes, decode rows
-    and the staged sampling buffer (per row parameters then u) recorded, each row's token a function of
-    its slot and position."""
+    """The engine's scheduling with the device work replaced: prefill spans, history writes, the step's
+    rows and the staged sampling buffer (per row parameters then u) recorded, each row's token a
+    function of its slot and position."""
 
-    def __init__(self, slots: int, prefill_chunk: int, vocab: int = 97, max_context: int = 200):
+    def __init__(self, slots: int, prefill_chunk: int, vocab: int = 97, max_context: int = 200, step_prefill=5):
         from tinyinfer.kernels import sampling as sample_k
 
         self.n_slots, self.prefill_chunk, self.vocab, self.max_context = slots, prefill_chunk, vocab, max_context
+        self.step_prefill = step_prefill
         self.keep_logits, self.last_logits = False, {}
         self.sequences, self.waiting, self.step_times = {}, [], []
         self.spans, self.steps, self.histories, self.staged = [], [], [], []
@@ -282,9 +283,9 @@ class ScheduleOnly(BatchEngine):
         self.histories.append((slot, np.array(prompt)))
 
     def decode(self, rows, want_logits):
-        self.steps[-1] = [(s.slot, s.position, s.token) for s in rows]
+        self.steps[-1] = [(r.slot, r.position, r.token, r.samples) for r in rows]
         self.staged.append(self.sampling_host.copy())
-        tokens = np.array([(7 * s.slot + s.position) % self.vocab for s in rows])
+        tokens = np.array([(7 * r.slot + r.position) % self.vocab for r in rows])
         if not want_logits:
             return tokens, None
         return tokens, np.random.default_rng(len(self.steps)).standard_normal((len(rows), self.vocab))
@@ -296,16 +297,18 @@ class ScheduleOnly(BatchEngine):
 
 
 def test_schedule_prefills_in_chunks_and_feeds_each_sequence_its_own_tokens():
-    """5 prompts through 3 slots: each prompt but its last token is prefilled once, in order, at most
-    one chunk per step while others decode; each row's input is its prompt's last token, then its own
-    previous output, at its own next position; slots are reused as sequences leave; one cancel."""
-    engine = ScheduleOnly(slots=3, prefill_chunk=10)
+    """6 prompts through 3 slots: each prompt but its last token is cached once, in order: by GEMM
+    chunks (at most one chunk per step while others decode) while more than step_prefill positions are
+    left, then as rows of the steps (at most MAX_ROWS rows); the row of a prompt's last token samples
+    its first token, then each row's input is its own previous output at its own next position; slots
+    are reused as sequences leave; one cancel."""
+    engine = ScheduleOnly(slots=3, prefill_chunk=10, step_prefill=5)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, 97, n) for n in (1, 25, 4, 12, 30, 6)]
     budgets = [5, 3, 6, 4, 2, 9]
     params = [SamplingParams(temperature=0.7) if i == 2 else SamplingParams() for i in range(len(prompts))]
     owner, queue, slot_of = {}, list(range(len(prompts))), {}
-    outputs, inputs, spans = ([[] for _ in prompts] for _ in range(3))
+    outputs, inputs, cached = ([[] for _ in prompts] for _ in range(3))
     for step in range(100):
         while queue and engine.free_slots():
             i = queue.pop(0)
@@ -317,14 +320,24 @@ def test_schedule_prefills_in_chunks_and_feeds_each_sequence_its_own_tokens():
             assert slot_of[5] in engine.free_slots()
         if not engine.has_work():
             break
-        was_decoding = any(r for r in engine.steps)
+        was_decoding = any(samples for r in engine.steps for *_, samples in r)
+        left = {slot: seq.prompt_left for slot, seq in engine.sequences.items()}
         events = engine.step()
         prefilled = sum(e - b for _, b, e in engine.spans[-1])
         assert prefilled <= 10 or not was_decoding, "the running sequences waited for more than one chunk"
+        assert len(engine.steps[-1]) <= MAX_ROWS
         for slot, begin, end in engine.spans[-1]:
-            spans[owner[slot]].append((begin, end))
-        for slot, pos, token in engine.steps[-1]:
-            inputs[owner[slot]].append((pos, token))
+            assert left[slot] > 5, "a prompt with step_prefill positions left or fewer went through GEMM"
+            cached[owner[slot]] += [("gemm", p) for p in range(begin, end)]
+        for slot, pos, token, samples in engine.steps[-1]:
+            i = owner[slot]
+            if pos < prompts[i].size - 1:
+                assert not samples and token == prompts[i][pos]
+                cached[i].append(("row", pos))
+            else:
+                assert samples
+                inputs[i].append((pos, token))
+        assert sorted(events) == sorted(s for s, *_, samples in engine.steps[-1] if samples)
         for slot, event in events.items():
             outputs[owner[slot]].append(event.token)
             if event.finish_reason:
@@ -334,17 +347,19 @@ def test_schedule_prefills_in_chunks_and_feeds_each_sequence_its_own_tokens():
     assert [len(o) for o in outputs] == budgets[:5] + [2]
     assert len(set(slot_of.values())) == 3                  # slots were reused
     for i, prompt in enumerate(prompts):
-        covered = [p for b, e in spans[i] for p in range(b, e)]
-        assert covered == list(range(prompt.size - 1))
+        assert [p for _, p in cached[i]] == list(range(prompt.size - 1))
+        by_rows = [p for how, p in cached[i] if how == "row"]
+        assert len(by_rows) <= 5 and (prompt.size - 1 > 5 or len(by_rows) == prompt.size - 1)
         first = prompt.size - 1
         assert inputs[i] == [(first + k, int(t)) for k, t in enumerate([prompt[-1]] + outputs[i][:-1])]
         assert outputs[i] == [(7 * slot_of[i] + first + k) % 97 for k in range(len(outputs[i]))]   # the device's
+    assert any(how == "gemm" for how, _ in cached[1]) and any(how == "row" for how, _ in cached[1])
 
 
 def test_schedule_stages_each_rows_parameters_draw_and_prompt_history():
-    """Before each step every row's SamplingParams (sample_k.params_array) and one rng.random() of its
-    own seed, in order, are staged for the upload; rows past the sequences are greedy with u = 0; each
-    prompt is written to its slot's history at submit."""
+    """Before each step every sampling row's SamplingParams (sample_k.params_array) and one rng.random()
+    of its own seed, in order, are staged for the upload; prompt rows (their K/V only) and rows past the
+    step's are greedy with u = 0 and draw nothing; each prompt is written to its slot's history at submit."""
     from tinyinfer.kernels import sampling as sample_k
 
     engine = ScheduleOnly(slots=3, prefill_chunk=50)
@@ -370,15 +385,19 @@ def test_schedule_stages_each_rows_parameters_draw_and_prompt_history():
         staged = engine.staged[-1]
         p = sample_k.P_COUNT
         table, uniforms = staged[: 32 * p].reshape(32, p), staged[32 * p:]
-        rows = [slot for slot, _, _ in engine.steps[-1]]
-        assert rows == sorted(events)
-        for r, slot in enumerate(rows):
+        rows = engine.steps[-1]
+        assert sorted(slot for slot, *_, samples in rows if samples) == sorted(events)
+        greedy = sample_k.params_array(SamplingParams())
+        for r, (slot, _, _, samples) in enumerate(rows):
             i = owner[slot]
+            if not samples:
+                np.testing.assert_array_equal(table[r], greedy)
+                assert uniforms[r] == 0
+                continue
             np.testing.assert_array_equal(table[r], sample_k.params_array(params[i]))
             assert uniforms[r] == next(draws[i]), f"prompt {i}: not its seed's next draw"
             staged_rows += 1
-        np.testing.assert_array_equal(table[len(rows):], np.tile(sample_k.params_array(SamplingParams()),
-                                                                (32 - len(rows), 1)))
+        np.testing.assert_array_equal(table[len(rows):], np.tile(greedy, (32 - len(rows), 1)))
         assert not uniforms[len(rows):].any()
         for slot, event in events.items():
             if event.finish_reason:
@@ -494,6 +513,12 @@ def test_every_launch_of_the_step_passes_its_kernel_parameters(tmp_path, monkeyp
         launches = engine.build_step(n)
         assert len(launches) == 2 + 9 * config["n_layers"] + 1 + 1 + 1
         assert launches[-1].kernel.name == "batch_sample" and launches[-1].grid == (n,)
+        # A step with prompt rows launches attention only once every row's K/V is stored (the kernels
+        # load the keys below a row's position before their PDL wait); all else launches early as ever.
+        with_prompt = engine.build_step(n, prompt_rows=True)
+        for launch, mixed in zip(launches, with_prompt):
+            attention = launch.kernel.name.startswith("batch_attention")
+            assert launch.waits == (launch.kernel.name != "embed_rows") and mixed.waits == (launch.waits and not attention)
         for launch in launches:
             name = launch.kernel.name
             source = sources.get(name, "batch.cu")
@@ -723,11 +748,12 @@ def emulated_engine(tmp_path, monkeypatch, **kwargs):
     engine = cuda_batch.BatchEngine(backend, slots=3, max_context=64, prefill_chunk=8, **kwargs)
 
     def prefill_span(slot, ids, start):              # prefill's NumPy steps over the slot's cache
+        engine.spans.append((slot, start, start + ids.size))
         ops = cuda_prefill.NumpyOps(tinf, 64)
         ops.k_cache, ops.v_cache = engine.k_cache[:, slot], engine.v_cache[:, slot]
         cuda_prefill.run_prefill(ops, tinf.config, ids, start, 8, None)
 
-    engine.prefill_span = prefill_span
+    engine.prefill_span, engine.spans = prefill_span, []
     return engine, tinf
 
 
@@ -751,20 +777,24 @@ def run_prompts(engine, prompts, budgets, params=None, seeds=None, max_steps: in
     return generated, rows
 
 
-def test_the_engine_step_computes_each_sequences_logits(tmp_path, monkeypatch):
+@pytest.mark.parametrize("step_prefill", [256, 4])
+def test_the_engine_step_computes_each_sequences_logits(tmp_path, monkeypatch, step_prefill):
     """The engine with every kernel replaced by its NumPy reference, fed the launches' own arguments:
-    the step's wiring (buffers, leading dimensions, slices, slots and positions of rows, the padding
-    rows, graphs replayed for later steps, prefill into a slot) gives each sequence the logits of the
-    NumPy reference run on that sequence alone, for sequences joining and leaving at different steps."""
+    the step's wiring (buffers, leading dimensions, slices, slots and positions of rows, prompt rows
+    beside decoding ones, the padding rows, graphs replayed for later steps, GEMM prefill into a slot
+    where more than step_prefill positions are left) gives each sequence the logits of the NumPy
+    reference run on that sequence alone, for sequences joining and leaving at different steps."""
     from tinyinfer.runtime.numpy_backend import NumpyBackend
 
-    engine, tinf = emulated_engine(tmp_path, monkeypatch, keep_logits=True)
+    engine, tinf = emulated_engine(tmp_path, monkeypatch, keep_logits=True, step_prefill=step_prefill)
     rng = np.random.default_rng(1)
     prompts = [rng.integers(0, 512, n) for n in (5, 1, 12, 3)]
     budgets = [6, 4, 3, 5]
     generated, rows = run_prompts(engine, prompts, budgets)
     assert [len(generated[i]) for i in range(4)] == budgets
-    assert set(engine.graphs) >= {1, 2, 4}, "later steps replay captured graphs"
+    assert {n for n, _ in engine.graphs} >= {1, 2, 4}, "later steps replay captured graphs"
+    assert (8, True) in engine.graphs or (4, True) in engine.graphs, "no step had prompt rows"
+    assert bool(engine.spans) == (step_prefill < 11), "the 12-token prompt went through GEMM prefill"
     reference = NumpyBackend(tinf, max_context=64)
     for i, prompt in enumerate(prompts):
         ids = np.concatenate([prompt, np.asarray(generated[i][:-1], dtype=np.int64)])

@@ -361,9 +361,10 @@ def check_against_references(case, prompts, generated, logits, what: str) -> Non
 
 
 def test_sequences_joining_and_leaving_match_single_stream_logits(case):
-    """20 slots, 26 prompts of 1..150 tokens (24 prompt tokens prefilled per step), 20 to 30 new tokens
-    each: the step runs at buckets from 32 down; every third prompt samples (temperature, top_p); one
-    prompt is cancelled while it waits for its prefill, one while it decodes."""
+    """20 slots, 26 prompts of 1..150 tokens (by GEMM, 24 positions per step, while more than 16 are
+    left; then in the steps' rows), 20 to 30 new tokens each: the step runs at buckets from 32 down;
+    every third prompt samples (temperature, top_p); one prompt is cancelled while it waits for its
+    prefill, one while it decodes."""
     from tinyinfer.runtime.cuda_batch import BatchEngine
 
     cfg = case["model"].config
@@ -373,7 +374,8 @@ def test_sequences_joining_and_leaving_match_single_stream_logits(case):
     budgets = [20 + (7 * i) % 11 for i in range(len(prompts))]
     sampled = SamplingParams(temperature=0.8, top_p=0.9)
     params = [sampled if i % 3 == 2 else SamplingParams() for i in range(len(prompts))]
-    engine = BatchEngine(case["model"].backend, slots=20, max_context=CONTEXT, prefill_chunk=24, keep_logits=True)
+    engine = BatchEngine(case["model"].backend, slots=20, max_context=CONTEXT, prefill_chunk=24, step_prefill=16,
+                         keep_logits=True)
     try:
         generated, logits, buckets = run_schedule(engine, prompts, budgets, params, cancel_at={4: 2, 3: 12})
     finally:
@@ -464,8 +466,9 @@ def test_a_seed_gives_the_same_tokens_in_a_batch_and_alone_in_the_engine(case):
     """8 sequences with mixed parameters (penalties included) and seeds decode together, leaving at
     different steps (buckets 8 down to 1, all of 8 padded rows: the same GEMV plans), then each alone
     in a fresh engine: the same tokens, every one of them. A row's logits depend on nothing else in a
-    step of the same padded size, and each prompt (all together under one prefill chunk) is prefilled
-    in one call either way, so the batch changes nothing a sequence samples from."""
+    step of the same padded size, and each prompt (all together under one prefill chunk, step_prefill
+    0: none in the steps' rows, whose padded sizes differ alone and together) is prefilled in one call
+    either way, so the batch changes nothing a sequence samples from."""
     q4_only(case)
     from tinyinfer.runtime.cuda_batch import BatchEngine
 
@@ -476,12 +479,12 @@ def test_a_seed_gives_the_same_tokens_in_a_batch_and_alone_in_the_engine(case):
     params = [ROW_SAMPLING[(i + 1) % len(ROW_SAMPLING)] for i in range(len(prompts))]
     budgets = [6 + i for i in range(len(prompts))]
     seeds = [500 + i for i in range(len(prompts))]
-    engine = BatchEngine(backend, slots=len(prompts), max_context=CONTEXT, keep_logits=True)
+    engine = BatchEngine(backend, slots=len(prompts), max_context=CONTEXT, keep_logits=True, step_prefill=0)
     try:
         together, together_rows = run_alone_or_together(engine, prompts, params, budgets, seeds)
     finally:
         engine.close()
-    engine = BatchEngine(backend, slots=1, max_context=CONTEXT, keep_logits=True)
+    engine = BatchEngine(backend, slots=1, max_context=CONTEXT, keep_logits=True, step_prefill=0)
     try:
         for i, prompt in enumerate(prompts):
             (alone,), (alone_rows,) = run_alone_or_together(engine, [prompt], [params[i]], [budgets[i]], [seeds[i]])

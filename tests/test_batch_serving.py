@@ -40,13 +40,14 @@ PROMPTS = ["w3 w4 w5", "w10", "w7 w8 w9 w10 w11 w12 w13 w14 w15 w16 w17", "w40 w
 
 class CpuBatch(BatchEngine):
     """BatchEngine's scheduling (submit, chunked prefill, step, cancel) with the device work on the
-    CPU: each slot's prefill spans and decode rows go through that slot's own NumpyBackend, and each
-    row's token is runtime.sampling.sample of its logits with one rng.random() of its own per token
-    (what the device's sampler computes). Records what the engine was asked to do; step_s slows each
+    CPU: each slot's GEMM prefill spans and step rows (prompt positions, tokens) go through that slot's
+    own NumpyBackend, and each sampling row's token is runtime.sampling.sample of its logits with one
+    rng.random() of its own per token (what the device's sampler computes). Records what the engine was
+    asked to do (rows: the sampling rows of each step); step_s slows each
     step, fail_at makes one step raise, wrap(backend) alters each slot's backend."""
 
     def __init__(self, model, slots, step_s=0.0, fail_at=None, max_context=None, wrap=None):
-        self.n_slots, self.prefill_chunk = slots or 3, 8
+        self.n_slots, self.prefill_chunk, self.step_prefill = slots or 3, 8, 4
         self.vocab, self.max_context = model.config["vocab_size"], max_context or model.max_context
         self.keep_logits, self.last_logits = False, {}
         self.sequences, self.waiting, self.step_times = {}, [], []
@@ -73,15 +74,16 @@ class CpuBatch(BatchEngine):
         self.caches[slot].forward(ids, start)
 
     def stage_sampling(self, rows):
-        self.draws = [seq.rng.random() for seq in rows]
+        self.draws = [row.seq.rng.random() if row.samples else None for row in rows]
 
     def decode(self, rows, want_logits):
         time.sleep(self.step_s)
-        self.rows.append(len(rows))
+        self.rows.append(sum(row.samples for row in rows))
         if len(self.rows) == self.fail_at:
             raise RuntimeError("the device fell over")
-        logits = np.stack([self.caches[s.slot].forward([s.token], s.position)[-1] for s in rows])
-        tokens = [sample(row, s.params, [*s.prompt, *s.generated], u) for row, s, u in zip(logits, rows, self.draws)]
+        logits = np.stack([self.caches[r.slot].forward([r.token], r.position)[-1] for r in rows])
+        tokens = [sample(x, r.seq.params, [*r.seq.prompt, *r.seq.generated], u) if r.samples else 0
+                  for x, r, u in zip(logits, rows, self.draws)]
         return np.array(tokens), logits
 
     def close(self):
