@@ -24,7 +24,7 @@ from typing import Callable
 
 import numpy as np
 
-from tinyinfer.runtime.engine import FINISH_REASONS, Chunk, Finished, Generation, SerialEngine
+from tinyinfer.runtime.engine import FINISH_REASONS, Chunk, Finished, Generation, SerialEngine, delivered_together
 from tinyinfer.runtime.errors import DeviceError
 from tinyinfer.runtime.model import StopStrings, TokenText
 
@@ -300,8 +300,9 @@ class BatchedEngine(SerialEngine):
             events = {}
             for slot in list(self._active):
                 self._end(slot, e)
-        for slot, event in events.items():
-            self._advance(slot, event)
+        with delivered_together():
+            for slot, event in events.items():
+                self._advance(slot, event)
         # Wall time with sequences running, so tokens_per_s is the engine's aggregate rate.
         with self._stats_lock:
             self._stats.generation_seconds += time.perf_counter() - started

@@ -5,6 +5,8 @@ The interface (runtime/README.md, "The serving engine") is what the HTTP server 
 engine (batch_serving.BatchedEngine: several sequences on one GPU) stands behind it unchanged:
     engine.start()                      load the model on the worker thread (engine.ready says when)
     engine.submit(GenerationRequest)    -> Generation: async iterator of Chunk, then one Finished
+                                           (a Chunk joins the texts queued together: a reader that
+                                           lags gets fewer, longer chunks, not a growing backlog)
     generation.cancel()                 takes effect at the request's next token (or before it starts)
     engine.stats()                      -> EngineStats, for /metrics
     engine.close()                      cancel everything, stop the worker, free the model
@@ -13,6 +15,7 @@ engine (batch_serving.BatchedEngine: several sequences on one GPU) stands behind
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 from collections import deque
@@ -86,6 +89,7 @@ class EngineStats:
 
 
 _END = object()   # sentinel after the Finished event (or an exception) in a Generation's queue
+_together = threading.local()   # the events held by delivered_together(), on the engine's thread
 
 
 class Generation:
@@ -98,34 +102,78 @@ class Generation:
         self.request = request
         self.cancelled = threading.Event()
         self._loop = loop
-        self._events: asyncio.Queue = asyncio.Queue()
+        self._events: deque = deque()          # the caller's loop only
+        self._arrived = asyncio.Event()
 
     def cancel(self) -> None:
         self.cancelled.set()
 
     def push(self, event) -> None:
         """From the engine's thread: queue an event (Chunk, Finished, an exception, or _END)."""
-        try:
-            self._loop.call_soon_threadsafe(self._events.put_nowait, event)
-        except RuntimeError:   # the caller's loop is closed: nobody is left to read
-            self.cancel()
+        held = getattr(_together, "events", None)
+        if held is not None:
+            held.append((self, event))
+        else:
+            deliver([(self, event)])
 
     def end(self, outcome) -> None:
         """From the engine's thread: the last event (Finished, or the exception that ended it)."""
         self.push(outcome)
         self.push(_END)
 
+    def _arrive(self, event) -> None:
+        self._events.append(event)
+        self._arrived.set()
+
     def __aiter__(self):
         return self
 
     async def __anext__(self):
-        event = await self._events.get()
-        if event is _END:
-            self._events.put_nowait(_END)   # stays ended
+        while not self._events:
+            self._arrived.clear()
+            await self._arrived.wait()
+        event = self._events[0]
+        if event is _END:                      # stays ended
             raise StopAsyncIteration
+        self._events.popleft()
         if isinstance(event, BaseException):
             raise event
+        if isinstance(event, Chunk) and self._events and isinstance(self._events[0], Chunk):
+            texts = [event.text]
+            while self._events and isinstance(self._events[0], Chunk):
+                texts.append(self._events.popleft().text)
+            event = Chunk("".join(texts))
         return event
+
+
+def _arrive_all(events) -> None:
+    for generation, event in events:
+        generation._arrive(event)
+
+
+def deliver(events) -> None:
+    """From the engine's thread: (generation, event) pairs to their callers' loops, one wake-up per loop."""
+    by_loop: dict = {}
+    for generation, event in events:
+        by_loop.setdefault(generation._loop, []).append((generation, event))
+    for loop, batch in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(_arrive_all, batch)
+        except RuntimeError:   # the caller's loop is closed: nobody is left to read
+            for generation, _ in batch:
+                generation.cancel()
+
+
+@contextlib.contextmanager
+def delivered_together():
+    """On the engine's thread: the events pushed inside reach their callers when the block ends, all
+    at once (a batched step's tokens: one wake-up of the server's loop per step, not per token)."""
+    _together.events = []
+    try:
+        yield
+    finally:
+        events, _together.events = _together.events, None
+        deliver(events)
 
 
 class SerialEngine:

@@ -469,3 +469,44 @@ def test_engine_close_cancels_the_running_and_the_waiting(model_path):
     asyncio.run(asyncio.wait_for(scenario(), DEADLINE_S))
     stats = engine.stats()
     assert stats.requests["cancelled"] == 2 and stats.running == 0 and stats.queue_depth == 0
+
+
+def test_events_of_a_step_arrive_together_and_queued_chunks_join():
+    """The handoff from the engine's thread: events pushed inside delivered_together() reach the loop
+    in one wake-up when the block ends (none before); a reader that lags gets the Chunks queued
+    together as one, in order, with Finished, an exception and the end kept apart."""
+    import asyncio
+
+    from tinyinfer.runtime.engine import Chunk, Finished, GenerationRequest, delivered_together
+    from tinyinfer.runtime.sampling import SamplingParams
+
+    request = GenerationRequest((1,), 4, SamplingParams())
+
+    async def scenario():
+        loop = asyncio.get_running_loop()
+        wakeups = []
+        original = loop.call_soon_threadsafe
+        loop.call_soon_threadsafe = lambda *a: (wakeups.append(a), original(*a))[1]
+        a, b = Generation(request, loop), Generation(request, loop)
+
+        def engine_step():
+            with delivered_together():
+                for text in ("x", "y", "z"):
+                    a.push(Chunk(text))
+                    b.push(Chunk(text.upper()))
+                assert not wakeups, "an event left before the step's end"
+                a.end(Finished("length", 1, 3, 0))
+            b.push(ValueError("the detokenizer failed"))
+            b.push(Chunk("after"))
+
+        await asyncio.to_thread(engine_step)
+        handoffs = [args for args in wakeups if args[0].__name__ == "_arrive_all"]   # (to_thread's own too)
+        assert [len(args[1]) for args in handoffs] == [8, 1, 1]   # the step's events, then b's two, one each
+        await asyncio.sleep(0)
+        assert [e async for e in a] == [Chunk("xyz"), Finished("length", 1, 3, 0)]
+        assert await b.__anext__() == Chunk("XYZ")
+        with pytest.raises(ValueError):
+            await b.__anext__()
+        assert await b.__anext__() == Chunk("after")
+
+    asyncio.run(asyncio.wait_for(scenario(), DEADLINE_S))
