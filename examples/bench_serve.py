@@ -6,7 +6,8 @@
 
 For each stream count it reports the aggregate decode tok/s (completion tokens of all streams over the
 wall time), the time to first token (p50/p99) and the inter-token latency (p50/p99, the gaps between
-streamed chunks). Given MODEL, it first runs `tinyrun MODEL --bench TOKENS` (the engine alone, same
+streamed chunks; a chunk holds several tokens where the server's reader fell behind, counted in
+tokens per chunk). Given MODEL, it first runs `tinyrun MODEL --bench TOKENS` (the engine alone, same
 prompt length) and prints the server's single-stream decode rate beside it, with the overhead.
 The prompt is the --bench prompt: the same text, tokenized by the server, cut to --prompt-len ids.
 --parallel N is passed to `tinyrun serve` (its default: batched decoding with as many sequences as
@@ -76,13 +77,14 @@ def start_server(model: str, device: str, ctx_size: int | None, parallel: int | 
 
 
 def bench_prompt(url: str, length: int) -> list[int]:
-    """bench.bench_prompt's ids, from the server's tokenizer."""
+    """bench.bench_prompt's ids, from the server's tokenizer (padded as it pads: ids 3.., below any
+    real vocabulary's size at these lengths)."""
     request = urllib.request.Request(url + "/tokenize", headers={"Content-Type": "application/json"},
                                      data=json.dumps({"content": BENCH_TEXT, "add_special": True}).encode())
     with urllib.request.urlopen(request, timeout=60) as response:
         ids = json.loads(response.read())["tokens"]
-    if len(ids) < length:
-        raise SystemExit(f"--prompt-len {length} is longer than the bench text ({len(ids)} tokens); use at most that.")
+    while len(ids) < length:
+        ids += list(range(3, 3 + length))
     return ids[:length]
 
 
@@ -97,6 +99,17 @@ def one_stream(client, model_id: str, prompt: list[int], tokens: int) -> dict:
             stamps.append(time.perf_counter())
         usage = chunk.usage or usage
     return {"sent": sent, "stamps": stamps, "tokens": usage.completion_tokens if usage else len(stamps)}
+
+
+def stream_rate(result: dict, first: int) -> float:
+    """A stream's decode rate. With one chunk per token, as --bench counts it (bench.steady_rate): from
+    the last token of the first graph launch, whose tokens arrive together after the prompt, to the
+    last token. Where the server joined tokens into one chunk (its reader was behind), the tokens after
+    the first chunk over the time from it to the last (vLLM's TPOT)."""
+    stamps, tokens = result["stamps"], result["tokens"]
+    if len(stamps) == tokens:
+        return steady_rate(stamps, first)
+    return (tokens - 1) / (stamps[-1] - stamps[0])
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -138,13 +151,12 @@ def run_streams(url: str, model_id: str, prompt: list[int], tokens: int, streams
     wall = max(r["stamps"][-1] for r in results if r["stamps"]) - min(r["sent"] for r in results)
     ttft = [r["stamps"][0] - r["sent"] for r in results if r["stamps"]]
     gaps = [b - a for r in results for a, b in zip(r["stamps"], r["stamps"][1:])]
-    # Each stream's decode rate as --bench counts it (bench.steady_rate): from the last token of the
-    # first graph launch, whose tokens arrive together after the prompt, to the last token.
     first = launch_sizes(tokens)[0]
-    decode = [steady_rate(r["stamps"], first) for r in results if len(r["stamps"]) > first]
+    decode = [stream_rate(r, first) for r in results if len(r["stamps"]) > first]
     total = sum(r["tokens"] for r in results)
     return {"streams": streams, "requests": len(results), "completion_tokens": total,
             "aggregate_tok_s": round(total / wall, 1), "per_stream_decode_tok_s": round(statistics.median(decode), 1),
+            "tokens_per_chunk": round(total / sum(len(r["stamps"]) for r in results), 2),
             "ttft_ms_p50": round(1e3 * percentile(ttft, 50), 2), "ttft_ms_p99": round(1e3 * percentile(ttft, 99), 2),
             "itl_ms_p50": round(1e3 * percentile(gaps, 50), 3), "itl_ms_p99": round(1e3 * percentile(gaps, 99), 3)}
 
@@ -199,11 +211,12 @@ def main(argv=None) -> int:
 
 
 def print_table(result: dict) -> None:
-    print("| streams | aggregate tok/s | per-stream decode tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms |")
-    print("|---|---|---|---|---|")
+    print("| streams | aggregate tok/s | per-stream decode tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms | tokens per chunk |")
+    print("|---|---|---|---|---|---|")
     for r in result["runs"]:
         print(f"| {r['streams']} | {r['aggregate_tok_s']:,} | {r['per_stream_decode_tok_s']:,} | "
-              f"{r['ttft_ms_p50']} / {r['ttft_ms_p99']} | {r['itl_ms_p50']} / {r['itl_ms_p99']} |")
+              f"{r['ttft_ms_p50']} / {r['ttft_ms_p99']} | {r['itl_ms_p50']} / {r['itl_ms_p99']} | "
+              f"{r['tokens_per_chunk']} |")
     bench = result.get("engine_bench_tok_s")
     single = next((r for r in result["runs"] if r["streams"] == 1), None)
     if bench and single:
