@@ -14,7 +14,6 @@ import contextlib
 import json
 import logging
 import socket
-import sys
 import threading
 import time
 import uuid
@@ -39,10 +38,6 @@ from tinyinfer.runtime.errors import ChatTemplateError, ContextOverflowError
 MAX_STOP_STRINGS = 16
 MAX_STOP_LENGTH = 256
 MAX_SEED = 2**63 - 1
-# The engine's thread needs the GIL back as each step's GPU wait ends (steps of ~1 ms), while the
-# event loop writes the last step's chunks in pure Python; CPython makes a running thread hand the GIL
-# over only after its switch interval, 5 ms by default (runtime/README.md, "The serving engine").
-SWITCH_INTERVAL_S = 0.0005
 # Fields of OpenAI's API this server does not implement: refused when set, rather than ignored.
 UNSUPPORTED = ("logprobs", "top_logprobs", "echo", "suffix", "best_of", "logit_bias", "tools", "tool_choice",
                "functions", "function_call", "response_format", "presence_penalty", "frequency_penalty")
@@ -510,7 +505,6 @@ def serve(path, names: tuple[str, ...], host: str, port: int, ctx_size: int | No
     from tinyinfer.runtime.batch_serving import serving_engine
 
     sock = listening_socket(host, port)
-    sys.setswitchinterval(SWITCH_INTERVAL_S)
     engine = serving_engine(lambda: load(path, device=device, max_context=ctx_size or None), device, parallel)
     app = create_app(engine, names, created=int(path.stat().st_mtime))
     # On Ctrl-C, open streams get a few seconds to end before they are cut.
