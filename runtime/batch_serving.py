@@ -4,8 +4,7 @@ BatchedEngine offers SerialEngine's interface (engine.py; runtime/README.md, "Th
 over a cuda_batch.BatchEngine owned by one thread, which loops:
 
     take the waiting requests into free slots (first come first; the rest wait)
-    -> free the slots of cancelled requests -> finish the step in flight, launch the next
-    -> the finished step's tokens to their requests' streams (while the next one runs on the GPU)
+    -> free the slots of cancelled requests -> step() -> each token to its request's stream
 
 A request's text comes from its tokens as in Model._stream (model.TokenText), so a batched stream
 reads as a serial one: the same Chunk / Finished events, stop strings held back and never emitted,
@@ -119,7 +118,6 @@ class BatchedEngine(SerialEngine):
         self._make_batch, self._notice = make_batch, notice
         self.batch = None                        # None: serving one request at a time
         self._active: dict[int, Active] = {}     # by slot; the engine's thread only
-        self._launched: list = []                # the rows of the step in flight ([]: none)
 
     @property
     def parallel(self) -> int:
@@ -203,8 +201,6 @@ class BatchedEngine(SerialEngine):
             n_new = self.model.new_token_budget(len(request.prompt_ids), request.max_tokens)
             text = TokenText(self.model.tokenizer, request.prompt_ids, StopStrings(request.stop))
             return Alone(generation, list(request.prompt_ids), n_new, np.random.default_rng(request.seed), text)
-        if self._launched:                       # its token in flight comes first (the step ends it)
-            return None
         (slot, active), = self._active.items()
         sequence = self.batch.sequences.get(slot)
         if sequence is None or not sequence.generated:   # still prefilling (or let go): stays in the batch
@@ -296,17 +292,12 @@ class BatchedEngine(SerialEngine):
             self._end(slot, None)
 
     def _step(self) -> None:
-        """Finish the step in flight (launching one first if none is), launch the next, then hand out
-        the finished step's tokens: the host's share of a step (detokenizing, the streams) runs while
-        the GPU computes the next one."""
         started = time.perf_counter()
         try:
-            rows = self._launched or self.batch.launch()
-            events = self.batch.finish(rows) if rows else {}
-            self._launched = self.batch.launch() if self._more_steps() else []
+            events = self.batch.step()
         except Exception as e:                   # the device failed: every sequence of the step is affected
             log.exception("batched decode step failed; ending the %d running requests", len(self._active))
-            events, self._launched = {}, []
+            events = {}
             for slot in list(self._active):
                 self._end(slot, e)
         with delivered_together():
@@ -315,14 +306,6 @@ class BatchedEngine(SerialEngine):
         # Wall time with sequences running, so tokens_per_s is the engine's aggregate rate.
         with self._stats_lock:
             self._stats.generation_seconds += time.perf_counter() - started
-
-    def _more_steps(self) -> bool:
-        """Whether to launch the next step now: not where the one sequence left would move to the
-        batch-1 graph (_alone), which needs no step of its own in flight."""
-        if not self.alone or len(self.batch.sequences) > 1:
-            return True
-        with self._wakeup:
-            return bool(self._waiting)
 
     def _advance(self, slot: int, event) -> None:
         """One token of a slot's request: its text to the stream, and its end at an end-of-sequence id,

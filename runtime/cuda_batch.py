@@ -474,30 +474,19 @@ class BatchEngine:
         """One step: every decoding sequence's next token, and as many positions of the waiting prompts
         as the rows left hold (after up to one chunk of GEMM prefill): {slot: its new token}, for the
         sequences that sampled. Finished sequences leave, their slots free."""
-        rows = self.launch()
-        return self.finish(rows) if rows else {}
-
-    def launch(self) -> list[Row]:
-        """Put the next step on the stream without waiting for it: its rows ([] when none is ready).
-        Until finish(), the host may submit and cancel (a cancelled row's output is dropped)."""
         decoding = any(s.slot not in self.waiting for s in self.sequences.values())
         self.prefill_long_prompts(must_admit=not decoding)
         rows = self.plan_rows()
-        if rows:
-            self.launched_at = time.perf_counter()
-            self.stage_sampling(rows)
-            self.queue_decode(rows)
-        return rows
-
-    def finish(self, rows: list[Row]) -> dict[int, TokenEvent]:
-        """Wait for the launched step: {slot: its new token} for each sequence that sampled in it and is
-        still there; the prompt positions of its rows are cached."""
-        tokens, logits = self.decode_result(len(rows), self.keep_logits)
-        self.step_times.append(time.perf_counter() - self.launched_at)
+        if not rows:
+            return {}
+        tick = time.perf_counter()
+        self.stage_sampling(rows)
+        tokens, logits = self.decode(rows, self.keep_logits)
+        self.step_times.append(time.perf_counter() - tick)
         for row in rows:                   # a prompt's rows, by position: cached now
             if row.position < row.seq.prompt.size - 1:
                 row.seq.prefilled = row.position + 1
-        sampled = [(r, row) for r, row in enumerate(rows) if row.samples and self.sequences.get(row.slot) is row.seq]
+        sampled = [(r, row) for r, row in enumerate(rows) if row.samples]
         started = {row.slot for _, row in sampled}
         self.waiting = [slot for slot in self.waiting if slot not in started]
         if self.keep_logits:
@@ -517,8 +506,8 @@ class BatchEngine:
                 params[r] = sample_k.params_array(row.seq.params)
                 uniforms[r] = row.seq.rng.random()
 
-    def queue_decode(self, rows: list[Row]) -> None:
-        """The rows' step on the stream: the row table and sampling buffer up, the graph, the tokens down."""
+    def decode(self, rows: list[Row], want_logits: bool):
+        """One step of the rows on the device: (each row's token, logits [rows, vocab] or None)."""
         n = bucket_for(len(rows))
         table = self.table_host
         table[0, :n], table[1, :n], table[2, :n], table[3, :n] = 0, 0, self.n_slots, self.n_slots   # padding: the spare slot
@@ -530,12 +519,9 @@ class BatchEngine:
                                     H2D, self.stream.ptr)
         self.run_step(n, prompt_rows=not all(row.samples for row in rows))
         cp.cuda.runtime.memcpyAsync(self.tokens_host.ctypes.data, self.tokens.data.ptr, 4 * n, D2H, self.stream.ptr)
-
-    def decode_result(self, n_rows: int, want_logits: bool):
-        """Wait for the queued step: (each row's token, logits [rows, vocab] or None)."""
-        logits = self.logits[:n_rows].get(stream=self.stream) if want_logits else None
+        logits = self.logits[: len(rows)].get(stream=self.stream) if want_logits else None
         self.stream.synchronize()
-        return self.tokens_host[:n_rows].copy(), logits
+        return self.tokens_host[: len(rows)].copy(), logits
 
     def advance(self, seq: Sequence, token: int) -> TokenEvent:
         """The sequence's next token (picked on the device); it leaves at a stop id or at its budget."""

@@ -282,15 +282,13 @@ class ScheduleOnly(BatchEngine):
     def write_history(self, slot, prompt):
         self.histories.append((slot, np.array(prompt)))
 
-    def queue_decode(self, rows):
+    def decode(self, rows, want_logits):
         self.steps[-1] = [(r.slot, r.position, r.token, r.samples) for r in rows]
         self.staged.append(self.sampling_host.copy())
-        self.queued = np.array([(7 * r.slot + r.position) % self.vocab for r in rows])
-
-    def decode_result(self, n_rows, want_logits):
+        tokens = np.array([(7 * r.slot + r.position) % self.vocab for r in rows])
         if not want_logits:
-            return self.queued, None
-        return self.queued, np.random.default_rng(len(self.steps)).standard_normal((n_rows, self.vocab))
+            return tokens, None
+        return tokens, np.random.default_rng(len(self.steps)).standard_normal((len(rows), self.vocab))
 
     def step(self):
         self.spans.append([])
