@@ -134,8 +134,9 @@ def bench_shape(shape: str, streams: list[int], prompt_len: int, n_tokens: int, 
         single = batch_one_rate(model, list(prompts[0]), n_tokens)
         peak = read_bandwidth_gbs(backend)
         engine = BatchEngine(backend, slots=max(streams) + (1 if intake else 0), max_context=context)
-        for b in sorted({min(k for k in BUCKETS if k >= n) for n in streams}):   # graphs captured before timing
-            run_streams(engine, prompts[:b], min(n_tokens, 32))       # (long enough for all b to join)
+        for b in sorted({min(k for k in BUCKETS if k >= n) for n in streams}):   # graphs captured before timing:
+            run_streams(engine, prompts[:b], min(n_tokens, 32))       # steps with prompt rows,
+            run_streams(engine, [p[-1:] for p in prompts[:b]], 4)     # and b sequences decoding alone
         rows = []
         for n in streams:
             run = run_streams(engine, prompts[:n], n_tokens)

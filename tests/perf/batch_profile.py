@@ -50,21 +50,22 @@ def ablate(engine, n: int) -> None:
     build = engine.build_step
     print(f"  rows {n}: whole step {whole:.3f} ms", flush=True)
     for kind in ABLATIONS:
-        engine.build_step = lambda rows, kind=kind: [l for l in build(rows) if not l.name.startswith(kind)]
-        engine.graphs.pop(n, None)
+        engine.build_step = lambda rows, prompt_rows=False, kind=kind: [
+            l for l in build(rows, prompt_rows) if not l.name.startswith(kind)]
+        engine.graphs.pop((n, False), None)
         engine.run_step(n)
         engine.stream.synchronize()
         without = graph_ms(engine, n)
         print(f"  rows {n}: without {kind:18s} {without:.3f} ms (it costs {whole - without:.3f})", flush=True)
     engine.build_step = build
-    engine.graphs.pop(n, None)
+    engine.graphs.pop((n, False), None)
 
 
 def fill(engine, prompts) -> None:
     """Submit the prompts and step until every one decodes (its graph captured)."""
     for p in prompts:
         engine.submit(p, max_new_tokens=512)
-    while not all(s.decoding and s.slot not in engine.waiting for s in engine.sequences.values()):
+    while any(s.slot in engine.waiting for s in engine.sequences.values()):
         engine.step()
     for _ in range(3):
         engine.step()
