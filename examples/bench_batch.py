@@ -82,9 +82,7 @@ def prompt_intake(engine, prompt, beside: list, step_prefill: int) -> dict:
 
 def intake_table(engine, config: dict, lengths: list[int], beside: int) -> list[dict]:
     """prompt_intake by GEMM (step_prefill 0) and in the steps' rows, idle and beside `beside` streams."""
-    from tinyinfer.runtime.cuda_batch import STEP_PREFILL
-
-    rng = np.random.default_rng(1)
+    rng, step_prefill_before = np.random.default_rng(1), engine.step_prefill
     others = [rng.integers(3, config["vocab_size"], 16) for _ in range(beside)]
     rows = []
     for n in lengths:
@@ -96,7 +94,7 @@ def intake_table(engine, config: dict, lengths: list[int], beside: int) -> list[
                 row[f"{how} {where}"] = prompt_intake(engine, prompt, running, step_prefill)
         rows.append(row)
         print(f"prompt intake {n}: {row}", file=sys.stderr)
-    engine.step_prefill = STEP_PREFILL
+    engine.step_prefill = step_prefill_before
     return rows
 
 
